@@ -1,0 +1,51 @@
+"""The 16x16 random Hadamard transform (RHT) applied to the wgrad operands.
+
+H = (1/4) * diag(s) @ H16, with H16 the Sylvester Hadamard matrix and s a fixed sign
+vector shared by every layer and rank. H is orthogonal, so transforming both operands of
+grad_weight = grad_output_t @ input_t.T along the token dimension leaves their product
+unchanged while spreading outliers across each 16-wide block before quantization.
+
+Rounding: the transform is defined as the exact sum of the 16 products (each product of a
+value and +-1/4 is exact), rounded once to FP32 and then to BF16. Any FP32 accumulation
+order gives the same FP32 sum whenever the partial sums are exact, which holds unless one
+block spans more than ~2^16 in magnitude; the reference computes the sum in FP64 so that
+the definition has no order in it at all.
+"""
+
+import torch
+
+DEFAULT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+SIZE = 16
+
+
+def sylvester(n: int = SIZE) -> torch.Tensor:
+    """The n x n Sylvester Hadamard matrix of +-1 (n a power of two), FP32."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"n={n} is not a power of two (Sylvester construction)")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h
+
+
+def matrix(
+    signs: tuple[int, ...] = DEFAULT_SIGNS,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """H = (1/4) * diag(signs) @ H16 (entries +-1/4, exact in every float dtype)."""
+    if len(signs) != SIZE or any(s not in (1, -1) for s in signs):
+        raise ValueError(f"signs must be {SIZE} values of +1 or -1, got {signs}")
+    s = torch.tensor(signs, dtype=torch.float32)
+    return (0.25 * s[:, None] * sylvester(SIZE)).to(dtype=dtype, device=device)
+
+
+def transform(x: torch.Tensor, signs: tuple[int, ...] = DEFAULT_SIGNS) -> torch.Tensor:
+    """Apply y = x16 @ H to every run of 16 values along the last dim; returns BF16."""
+    if x.dim() == 0 or x.shape[-1] % SIZE:
+        raise ValueError(
+            f"last dim {tuple(x.shape)[-1:]} is not a multiple of {SIZE} (Hadamard block)"
+        )
+    h = matrix(signs, torch.float64, x.device)
+    blocks = x.to(torch.float64).reshape(*x.shape[:-1], -1, SIZE)
+    return (blocks @ h).reshape(x.shape).to(torch.float32).to(torch.bfloat16)

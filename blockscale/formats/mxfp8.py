@@ -1,0 +1,70 @@
+"""MXFP8: E4M3 values with one power-of-two (E8M0) scale per 32 values (OCP MX v1.0).
+
+The scale exponent is rounded up, e = ceil(log2(block_amax / 448)), so no value saturates.
+The quotient is formed as block_amax * fl(1/448) in FP32 and its ceil(log2) is read off the
+exponent bits exactly; for block_amax = 448 * 2^k this gives e = k. A block holding Inf or
+NaN gets the E8M0 NaN code, so it dequantizes to NaN instead of a finite number.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from blockscale.formats._checks import as_2d, check_blocks
+from blockscale.formats.scales import (
+    E4M3_MAX,
+    ceil_log2,
+    e8m0_from_exponent,
+    e8m0_to_float,
+    exp2_int,
+)
+
+BLOCK = 32
+MIN_EXPONENT, MAX_EXPONENT = -127, 127
+
+
+@dataclass
+class MXFP8Tensor:
+    """data: float8_e4m3fn [..., K]; scale: float8_e8m0fnu [..., K/32]; `shape` is the
+    logical shape ([K, M] for a transpose=True copy of an [M, K] input)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    shape: torch.Size
+
+    def dq(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """data * 2^e: exact in BF16 and FP32 (down to 2^-133), the emulated GEMM operand."""
+        values = self.data.float().unflatten(-1, (-1, BLOCK))
+        return (values * e8m0_to_float(self.scale).unsqueeze(-1)).flatten(-2).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.dq(torch.float32).to(dtype)
+
+
+def scale_exponents(block_amax: torch.Tensor) -> torch.Tensor:
+    """int32 exponents e = clamp(ceil(log2(block_amax * fl(1/448))), -127, 127); -127 for 0."""
+    p = block_amax.float() * (1.0 / E4M3_MAX)
+    finite_positive = torch.isfinite(p) & (p > 0)
+    e = ceil_log2(torch.where(finite_positive, p, torch.ones_like(p)))
+    e = torch.where(p > 0, e, torch.full_like(e, MIN_EXPONENT))  # zero, or underflowed product
+    return e.clamp(MIN_EXPONENT, MAX_EXPONENT)
+
+
+def quantize(x: torch.Tensor, transpose: bool = False) -> MXFP8Tensor:
+    """Quantize x in 1x32 blocks along its last dim (first dim with transpose=True)."""
+    x2 = as_2d(x, "MXFP8", transpose)
+    rows, cols = x2.shape
+    check_blocks(rows, cols, "MXFP8", 1, BLOCK)
+    shape = x2.shape if transpose else x.shape
+
+    xf = x2.float().reshape(rows, cols // BLOCK, BLOCK)
+    block_amax = xf.abs().amax(-1) if xf.numel() else xf.new_zeros(rows, cols // BLOCK)
+    e = scale_exponents(block_amax)
+    scale = e8m0_from_exponent(e, nan=~torch.isfinite(block_amax))
+    data = (xf * exp2_int(-e).unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    lead = shape[:-1]
+    return MXFP8Tensor(
+        data=data.reshape(*lead, cols),
+        scale=scale.reshape(*lead, cols // BLOCK),
+        shape=torch.Size(shape),
+    )
