@@ -1,0 +1,276 @@
+"""The training loop: one function, `train(cfg, run_dir)`, that a resumed run re-enters.
+
+A run directory holds `config.json`, `metrics.jsonl` (one JSON object a line), `checkpoints/`
+and, once the loop stops, `summary.json`. Metric rows carry a `kind`:
+
+- `train`: `loss` (mean over the steps since the previous row), `lr`, `grad_norm`, `tokens`,
+  `tokens_per_s` (training time only: evaluation, telemetry and checkpoints excluded);
+- `eval`: `val_loss`, `val_bpb` on the held-out split;
+- `telemetry`: per converted layer and operand, `sqnr_db`, `zero_frac`, `amax` (telemetry.py).
+
+Every row carries `step`, the number of optimizer steps completed. All rows of a step are
+written before that step's checkpoint, so resuming from the checkpoint at step s first drops the
+rows past s and then writes them again: the metrics of an interrupted run end up the same as an
+uninterrupted one's. SIGINT/SIGTERM (Ctrl-C) finish the current step, checkpoint and stop; a
+second Ctrl-C stops at once. `max_minutes` stops the same way, for machines that lend time in
+slices: rerun with `--resume` to continue.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from blockscale.train import build, checkpoint, telemetry
+from blockscale.train.config import TrainConfig
+from blockscale.train.data import Batches, load_corpus
+from blockscale.train.errors import UsageError
+from blockscale.train.evaluate import evaluate
+
+try:
+    from tqdm.auto import tqdm
+except ImportError:  # tqdm is a dependency, but a bare GPU image may lack it
+    tqdm = None
+
+
+class Metrics:
+    """Append-only JSONL, flushed per row; `truncate_after(step)` drops rows past a checkpoint."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def truncate_after(self, step: int) -> None:
+        if self.path.exists():
+            rows = [line for line in self.path.read_text().splitlines() if line.strip()]
+            kept = [r for r in rows if json.loads(r).get("step", 0) <= step]
+            self.path.write_text("".join(r + "\n" for r in kept))
+
+    def write(self, row: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class _StopRequest:
+    """First SIGINT/SIGTERM: finish the step, checkpoint, stop. Second SIGINT: stop now."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+def _say(message: str, bar) -> None:
+    (bar.write if bar is not None else print)(message)
+
+
+def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool = True) -> dict:
+    """Train (or continue training) the run in `run_dir`; returns its summary."""
+    run_dir = Path(run_dir)
+    metrics = Metrics(run_dir / "metrics.jsonl")
+    if not resume and (metrics.path.exists() or checkpoint.checkpoint_dirs(run_dir)):
+        raise UsageError(
+            f"{run_dir} already holds a run; pass --resume to continue it, or choose another --out"
+        )
+    device = build.resolve_device(cfg.device)
+    corpus = load_corpus(cfg.data, cfg.max_data_bytes)
+    model, recipe = build.build_model(cfg, device)
+    seq_len = model.config.seq_len
+    batches = Batches(corpus.train, seq_len, cfg.batch_size, cfg.seed)
+    optimizer = build.build_optimizer(model, cfg, device)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.save(run_dir / "config.json")
+    (run_dir / "summary.json").unlink(missing_ok=True)
+
+    start = 0
+    ckpts = checkpoint.checkpoint_dirs(run_dir)
+    if resume and ckpts:
+        start, _ = checkpoint.load(ckpts[-1], model, optimizer)
+    metrics.truncate_after(start)
+
+    step_model = torch.compile(model) if cfg.compile else model
+    autocast = build.autocast_for(device)
+    switch_step = (
+        round(cfg.steps * (1 - cfg.bf16_final_fraction)) if cfg.bf16_final_fraction else cfg.steps
+    )
+    quantized_now = None
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * seq_len
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def run_telemetry(step: int) -> None:
+        if cfg.telemetry_every and recipe.quantized:
+            x, y = batches.get(step, 0)
+            layers = telemetry.probe(model, x.to(device), y.to(device), autocast)
+            metrics.write({"kind": "telemetry", "step": step, "layers": layers})
+
+    n_params = sum(p.numel() for p in model.parameters())
+    bar = None
+    if progress and tqdm is not None:
+        bar = tqdm(
+            total=cfg.steps, initial=start, unit="step", dynamic_ncols=True, desc=recipe.name
+        )
+    _say(
+        f"{run_dir}: model {cfg.model} ({n_params / 1e6:.2f}M params), recipe {recipe.name}, "
+        f"{device}, {cfg.steps} steps of {tokens_per_step} tokens"
+        + (f", resuming at step {start}" if start else ""),
+        bar,
+    )
+    if start == 0:
+        run_telemetry(0)
+
+    status, step, started = "done", start, time.perf_counter()
+    loss_sum, loss_steps = torch.zeros((), device=device), 0
+    clock, excluded = time.perf_counter(), 0.0
+    try:
+        with _StopRequest() as stop:
+            for step in range(start, cfg.steps):
+                if quantized_now != (step < switch_step) and recipe.quantized:
+                    quantized_now = step < switch_step
+                    import blockscale.nn as bsnn
+
+                    bsnn.set_precision(model, quantized_now)
+                lr = build.lr_at(cfg, step)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                for micro in range(cfg.grad_accum):
+                    x, y = batches.get(step, micro)
+                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                    with autocast():
+                        logits = step_model(x)
+                    loss = (
+                        F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / cfg.grad_accum
+                    )
+                    loss.backward()
+                    loss_sum += loss.detach()
+                clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                loss_steps += 1
+                done = step + 1
+                last = done == cfg.steps
+                if bar is not None:
+                    bar.update(1)
+
+                if done % cfg.log_every == 0 or last:
+                    mean_loss = (loss_sum / loss_steps).item()  # synchronizes the device
+                    now = time.perf_counter()
+                    seconds = max(now - clock - excluded, 1e-9)
+                    row = {
+                        "kind": "train",
+                        "step": done,
+                        "loss": mean_loss,
+                        "lr": lr,
+                        "grad_norm": grad_norm.item(),
+                        "tokens": done * tokens_per_step,
+                        "tokens_per_s": loss_steps * tokens_per_step / seconds,
+                    }
+                    metrics.write(row)
+                    if bar is not None:
+                        bar.set_postfix(
+                            loss=f"{mean_loss:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}"
+                        )
+                    loss_sum.zero_()
+                    loss_steps, clock, excluded = 0, now, 0.0
+                    if not math.isfinite(mean_loss):
+                        status = "diverged"
+                        _say(f"step {done}: loss is {mean_loss}; stopping (the run diverged)", bar)
+                        break
+                t0 = time.perf_counter()
+                if cfg.eval_every and (done % cfg.eval_every == 0 or last):
+                    result = evaluate(
+                        model, corpus.val, seq_len, cfg.batch_size, device, cfg.eval_tokens
+                    )
+                    metrics.write({"kind": "eval", "step": done, **result})
+                    _say(
+                        f"step {done}: val loss {result['val_loss']:.4f}, {result['val_bpb']:.3f} bits/byte",
+                        bar,
+                    )
+                if cfg.telemetry_every and (done % cfg.telemetry_every == 0 or last):
+                    run_telemetry(done)
+                out_of_time = (
+                    cfg.max_minutes > 0 and (time.perf_counter() - started) / 60 > cfg.max_minutes
+                )
+                if (
+                    last
+                    or stop.requested
+                    or out_of_time
+                    or (cfg.ckpt_every and done % cfg.ckpt_every == 0)
+                ):
+                    checkpoint.save(
+                        run_dir,
+                        done,
+                        model,
+                        optimizer,
+                        {"recipe": recipe.name},
+                        cfg.keep_checkpoints,
+                    )
+                excluded += time.perf_counter() - t0
+                if (stop.requested or out_of_time) and not last:
+                    status = "interrupted" if stop.requested else "paused"
+                    _say(f"stopped at step {done} ({status}); continue with --resume", bar)
+                    break
+    except torch.OutOfMemoryError:
+        raise UsageError(
+            f"out of memory on {device} at step {step}: batch_size={cfg.batch_size} x seq_len={seq_len} of model "
+            f"{cfg.model!r} does not fit; lower --batch-size (raise --grad-accum to keep the batch)"
+        ) from None
+    finally:
+        if bar is not None:
+            bar.close()
+    summary = summarize(run_dir, cfg, recipe, status, n_params, device)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def summarize(run_dir: Path, cfg: TrainConfig, recipe, status: str, n_params: int, device) -> dict:
+    rows = read_metrics(run_dir)
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    # The first interval holds warm-up (and compilation): the median of the rest is the speed.
+    rates = [r["tokens_per_s"] for r in train_rows[1:]] or [r["tokens_per_s"] for r in train_rows]
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return {
+        "status": status,
+        "recipe": recipe.name,
+        "recipe_detail": recipe.describe(),
+        "model": cfg.model,
+        "params": n_params,
+        "device": str(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
+        "steps": train_rows[-1]["step"] if train_rows else 0,
+        "tokens": train_rows[-1]["tokens"] if train_rows else 0,
+        "final_loss": train_rows[-1]["loss"] if train_rows else None,
+        "val_loss": evals[-1]["val_loss"] if evals else None,
+        "val_bpb": evals[-1]["val_bpb"] if evals else None,
+        "tokens_per_s": statistics.median(rates) if rates else None,
+        "peak_memory_gib": peak,
+    }
