@@ -1,0 +1,151 @@
+"""One entry point for block-scaled GEMMs: `scaled_mm(a, b, out_dtype, bias, backend)`.
+
+out = a @ b.T * alpha (+ bias), with a [M, K] and b [N, K] quantized along K (two NVFP4 or two
+MXFP8 operands) and alpha the product of the NVFP4 global decode scales (none for MXFP8).
+
+Backends (`Backend`, also a field of every recipe):
+
+- `emulated`: exact on any device. The `_dq` operands (code * block scale) are exact in BF16,
+  the product accumulates in FP32 (`formats`' emulated GEMM), alpha and bias are applied to the
+  FP32 accumulator in place, and the result is cast once. Memory passes beyond the GEMM itself:
+  one to build each `_dq` operand, one for alpha (and bias), one for the cast. The fused kernels
+  of the kernels issue remove the `_dq` materialization.
+- `native`: Blackwell tensor cores through `torch.nn.functional.scaled_mm` (gemm/native.py).
+  Unverified: see that module.
+- `auto` resolves to native on a device with compute capability >= 10.0 and a PyTorch that
+  has the API, and to emulated everywhere else. Asking for native where it cannot run raises.
+
+The backend is chosen per call from the recipe (`recipe.backend`), never from the environment.
+
+`Transposed` wraps a 2-D 16x16 NVFP4 operand to stand for its transpose. A 16x16 tile's
+quantization is symmetric, so the transpose is exact; the emulated backend reads it as a strided
+view of the `_dq` tensor (no copy), and only the native backend, which needs K-major bytes,
+builds the transposed codes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+
+from blockscale.formats.mxfp8 import MXFP8Tensor
+from blockscale.formats.nvfp4 import NVFP4Tensor
+from blockscale.gemm import emulated, native
+
+
+class Backend(StrEnum):
+    """Where block-scaled GEMMs run. AUTO: native on compute capability >= 10.0, else emulated."""
+
+    AUTO = "auto"
+    EMULATED = "emulated"
+    NATIVE = "native"
+
+
+@dataclass
+class Transposed:
+    """Stands for `base.t()` of a 2-D 16x16 NVFP4 tensor without building it eagerly."""
+
+    base: NVFP4Tensor
+
+    def __post_init__(self) -> None:
+        if self.base.block != "16x16" or self.base.data.dim() != 2:
+            raise ValueError(
+                f"only a 2-D 16x16 NVFP4 tensor transposes exactly (block={self.base.block}, "
+                f"dims={self.base.data.dim()})"
+            )
+
+    @property
+    def shape(self) -> torch.Size:
+        rows, cols = self.base.shape
+        return torch.Size((cols, rows))
+
+    def dq(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return self.base.dq(dtype).t()
+
+    def global_decode_scale(self) -> torch.Tensor:
+        return self.base.global_decode_scale()
+
+    def materialize(self) -> NVFP4Tensor:
+        return self.base.t()
+
+
+Operand = NVFP4Tensor | MXFP8Tensor | Transposed
+
+
+def resolve_backend(backend: Backend | str, device: torch.device) -> Backend:
+    """The concrete backend (emulated or native) for `backend` on `device`."""
+    backend = Backend(backend)
+    if backend is Backend.AUTO:
+        return Backend.NATIVE if native.device_supports_native(device) else Backend.EMULATED
+    if backend is Backend.NATIVE and not native.device_supports_native(device):
+        raise ValueError(
+            f"backend='native' needs a CUDA device with compute capability >= "
+            f"{native.MIN_CAPABILITY[0]}.{native.MIN_CAPABILITY[1]} and torch scaled_mm with "
+            f"float4_e2m1fn_x2; got device {device} (torch {torch.__version__})"
+        )
+    return backend
+
+
+def _is_nvfp4(op: Operand) -> bool:
+    return isinstance(op, NVFP4Tensor | Transposed)
+
+
+def _check(a: Operand, b: Operand) -> None:
+    if _is_nvfp4(a) != _is_nvfp4(b):
+        raise ValueError(
+            f"both operands must share a format, got {type(a).__name__} and {type(b).__name__}"
+        )
+    if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(
+            f"scaled_mm needs a [M, K] and b [N, K], got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+
+
+def _alpha(a: Operand, b: Operand) -> torch.Tensor | None:
+    if _is_nvfp4(a):
+        return a.global_decode_scale() * b.global_decode_scale()
+    return None
+
+
+def _emulated(
+    a: Operand, b: Operand, out_dtype: torch.dtype, bias: torch.Tensor | None
+) -> torch.Tensor:
+    acc = emulated.mm_fp32_accumulate(a.dq(), b.dq())
+    alpha = _alpha(a, b)
+    if alpha is not None:
+        acc.mul_(alpha)
+    if bias is not None:
+        acc.add_(bias)
+    return acc.to(out_dtype)
+
+
+def _native(
+    a: Operand, b: Operand, out_dtype: torch.dtype, bias: torch.Tensor | None
+) -> torch.Tensor:
+    a = a.materialize() if isinstance(a, Transposed) else a
+    b = b.materialize() if isinstance(b, Transposed) else b
+    if bias is None:
+        return native.scaled_mm(a, b, out_dtype)
+    return native.scaled_mm(a, b, torch.float32).add_(bias).to(out_dtype)
+
+
+def scaled_mm(
+    a: Operand,
+    b: Operand,
+    out_dtype: torch.dtype = torch.float32,
+    bias: torch.Tensor | None = None,
+    backend: Backend | str = Backend.AUTO,
+) -> torch.Tensor:
+    """a @ b.T * alpha (+ bias, added in FP32 before the single cast to `out_dtype`)."""
+    _check(a, b)
+    if out_dtype not in emulated.OUT_DTYPES:
+        raise ValueError(f"out_dtype {out_dtype} is not one of {emulated.OUT_DTYPES}")
+    if bias is not None:
+        bias = bias.float()
+    device = a.base.data.device if isinstance(a, Transposed) else a.data.device
+    resolved = resolve_backend(backend, device)
+    if resolved is Backend.NATIVE:
+        return _native(a, b, out_dtype, bias)
+    return _emulated(a, b, out_dtype, bias)
