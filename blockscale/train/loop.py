@@ -114,7 +114,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     ckpts = checkpoint.checkpoint_dirs(run_dir)
     if resume and ckpts:
         start, _ = checkpoint.load(ckpts[-1], model, optimizer)
-    metrics.truncate_after(start)
+    metrics.truncate_after(start if start else -1)  # a fresh start keeps no rows
 
     step_model = torch.compile(model) if cfg.compile else model
     autocast = build.autocast_for(device)

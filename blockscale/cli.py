@@ -1,0 +1,148 @@
+"""The command line: `blockscale train | compare | eval` (also `python -m blockscale ...`).
+
+Every `TrainConfig` field is a flag of `train` and `compare` (see blockscale/train/config.py or
+`blockscale train --help`). Bad input (a missing file, an unknown recipe, a model too large for
+the device, a corrupt checkpoint) ends with one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from blockscale.train.config import TrainConfig, add_config_flags, overrides_from_args
+from blockscale.train.errors import UsageError
+
+
+def _timestamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from blockscale.train.loop import train
+
+    overrides = overrides_from_args(args)
+    if args.resume:
+        if args.out is None:
+            raise UsageError("--resume needs --out DIR, the run to continue")
+        saved = Path(args.out) / "config.json"
+        cfg = (
+            dataclasses.replace(TrainConfig.load(saved), **overrides)
+            if saved.exists()
+            else TrainConfig(**overrides)
+        )
+    else:
+        cfg = TrainConfig(**overrides)
+    out = Path(args.out or f"runs/{cfg.model}-{cfg.recipe}-{_timestamp()}")
+    summary = train(cfg, out, resume=args.resume, progress=not args.quiet)
+    print(json.dumps({k: v for k, v in summary.items() if k != "recipe_detail"}))
+    print(f"run directory: {out}")
+    return 0 if summary["status"] in ("done", "paused") else 1
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from blockscale.train.compare import compare
+    from blockscale.train.report import format_table
+
+    cfg = TrainConfig(**overrides_from_args(args))
+    out = Path(args.out or f"runs/compare-{_timestamp()}")
+    report = compare(
+        cfg, out, _csv(args.recipes), _csv(args.ablate), args.noise_floor, args.only, not args.quiet
+    )
+    if report is None:
+        return 0
+    print()
+    print(format_table(json.loads((out / "report.json").read_text())["table"]))
+    print(f"\nreport: {report}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from blockscale.train.evaluate import eval_run
+
+    result = eval_run(Path(args.run), args.data, args.step, args.max_tokens, args.batch_size)
+    print(
+        f"{result['run']} ({result['checkpoint']}) on {result['data']}: loss {result['val_loss']:.4f}, {result['val_bpb']:.4f} bits/byte over {result['val_tokens']:,} bytes"
+    )
+    print(json.dumps(result))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    from blockscale.train.compare import ABLATIONS, DEFAULT_RECIPES
+
+    root = argparse.ArgumentParser(
+        prog="blockscale", description="Train transformers in NVFP4 and MXFP8, and compare recipes."
+    )
+    sub = root.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train one model with one recipe")
+    train.add_argument("--out", help="run directory [runs/MODEL-RECIPE-TIMESTAMP]")
+    train.add_argument(
+        "--resume", action="store_true", help="continue the run in --out from its last checkpoint"
+    )
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_config_flags(train)
+    train.set_defaults(func=cmd_train)
+
+    compare = sub.add_parser("compare", help="train one run per recipe/ablation and write a report")
+    compare.add_argument(
+        "--recipes", default=",".join(DEFAULT_RECIPES), help="comma-separated recipes [%(default)s]"
+    )
+    compare.add_argument(
+        "--ablate",
+        default="",
+        help=f"comma-separated NVFP4 features to switch off, one run each: {', '.join(ABLATIONS)}",
+    )
+    compare.add_argument(
+        "--noise-floor", action="store_true", help="add a second BF16 run with seed+1"
+    )
+    compare.add_argument(
+        "--only", help="run just this one variant (e.g. nvfp4-no-hadamard) and write no report"
+    )
+    compare.add_argument(
+        "--out",
+        help="report directory [runs/compare-TIMESTAMP]; rerun with the same one to continue",
+    )
+    compare.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_config_flags(compare, skip=("recipe",))
+    compare.set_defaults(func=cmd_compare)
+
+    ev = sub.add_parser("eval", help="loss and bits per byte of a run's checkpoint on any text")
+    ev.add_argument("--run", required=True, help="run directory")
+    ev.add_argument(
+        "--data",
+        default="stdlib",
+        help="a .txt/.txt.gz file, a directory of them, or 'stdlib' [%(default)s]",
+    )
+    ev.add_argument("--step", type=int, help="checkpoint step [the last]")
+    ev.add_argument(
+        "--max-tokens", type=int, default=0, help="score only the first N bytes (0: all)"
+    )
+    ev.add_argument("--batch-size", type=int, default=0, help="sequences per batch [the run's]")
+    ev.set_defaults(func=cmd_eval)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"blockscale {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"blockscale {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

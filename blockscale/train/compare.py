@@ -1,0 +1,118 @@
+"""Compare recipes: one run per recipe or ablation, identical except for the precision.
+
+Every run shares the seed, so the same initial weights, the same batches in the same order and
+the same hyperparameters; only the recipe (or one switch of it) differs. Ablations switch one
+feature of the full NVFP4 recipe off, each in its own run:
+
+    hadamard             nvfp4 without the wgrad Hadamard transform   -> nvfp4-no-hadamard
+    stochastic_rounding  nvfp4 rounding gradients to nearest          -> nvfp4-no-stochastic-rounding
+    weight_2d            nvfp4 with 1x16 instead of 16x16 weight blocks -> nvfp4-no-weight-2d
+    bf16_tail            nvfp4 with every block quantized (bf16_tail=0) -> nvfp4-no-bf16-tail
+
+`noise_floor` adds `bf16-seed{seed+1}`, a second BF16 run with another seed: a recipe's gap to
+BF16 smaller than that run's is indistinguishable from noise.
+
+Runs live in `OUT/runs/NAME`. A finished run whose config matches is reused, an unfinished one
+is resumed, and one with another config is an error, so rerunning `compare` after a crash or a
+`max_minutes` pause continues where it stopped, and `--only NAME` lets separate processes (one
+per GPU) fill the same comparison before a last plain `compare` writes the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import blockscale.recipes as recipes
+from blockscale.train.config import TrainConfig
+from blockscale.train.errors import UsageError
+from blockscale.train.loop import train
+from blockscale.train.report import write_report
+
+DEFAULT_RECIPES = ("bf16", "nvfp4", "mxfp8", "nvfp4_fwd_mxfp8_bwd")
+ABLATIONS = {
+    "hadamard": {"hadamard": False},
+    "stochastic_rounding": {"stochastic_rounding": False},
+    "weight_2d": {"weight_2d": False},
+    "bf16_tail": {"bf16_tail": 0.0},
+}
+
+
+def variants(
+    base: TrainConfig, names: list[str], ablate: list[str], noise_floor: bool
+) -> dict[str, TrainConfig]:
+    """Run name -> config, in report order."""
+    for name in names:
+        if name not in recipes.names():
+            raise UsageError(
+                f"recipe {name!r} does not exist; choose from {', '.join(recipes.names())}"
+            )
+    for name in ablate:
+        if name not in ABLATIONS:
+            raise UsageError(
+                f"ablation {name!r} does not exist; choose from {', '.join(ABLATIONS)}"
+            )
+    runs = {name: dataclasses.replace(base, recipe=name) for name in names}
+    if noise_floor:
+        runs[f"bf16-seed{base.seed + 1}"] = dataclasses.replace(
+            base, recipe="bf16", seed=base.seed + 1
+        )
+    for name in ablate:
+        label = "nvfp4-no-" + name.replace("_", "-")
+        runs[label] = dataclasses.replace(base, recipe="nvfp4", **ABLATIONS[name])
+    return runs
+
+
+def _config_difference(run_dir: Path, cfg: TrainConfig) -> str | None:
+    saved = TrainConfig.load(run_dir / "config.json")
+    # Bookkeeping fields may change between invocations without changing the numbers.
+    free = {"compile", "device", "max_minutes", "keep_checkpoints", "ckpt_every"}
+    for f in dataclasses.fields(TrainConfig):
+        old, new = getattr(saved, f.name), getattr(cfg, f.name)
+        if f.name not in free and old != new:
+            return f"{f.name}: {old!r} there, {new!r} now"
+    return None
+
+
+def run_variant(name: str, cfg: TrainConfig, out: Path, progress: bool = True) -> dict:
+    run_dir = out / "runs" / name
+    if (run_dir / "config.json").exists():
+        diff = _config_difference(run_dir, cfg)
+        if diff:
+            raise UsageError(
+                f"{run_dir} holds a run with another config ({diff}); choose another --out"
+            )
+        summary_path = run_dir / "summary.json"
+        if summary_path.exists() and json.loads(summary_path.read_text())["status"] == "done":
+            print(f"{name}: finished run found in {run_dir}, reused")
+            return json.loads(summary_path.read_text())
+    return train(cfg, run_dir, resume=True, progress=progress)
+
+
+def compare(
+    base: TrainConfig,
+    out: Path,
+    names: Sequence[str] = DEFAULT_RECIPES,
+    ablate: Sequence[str] = (),
+    noise_floor: bool = False,
+    only: str | None = None,
+    progress: bool = True,
+) -> Path | None:
+    """Run every variant (or just `only`) and write the report; returns the report's path."""
+    out = Path(out)
+    runs = variants(base, list(names), list(ablate), noise_floor)
+    if only is not None:
+        if only not in runs:
+            raise UsageError(
+                f"--only {only!r} is not one of this comparison's runs: {', '.join(runs)}"
+            )
+        run_variant(only, runs[only], out, progress)
+        return None
+    for name, cfg in runs.items():
+        summary = run_variant(name, cfg, out, progress)
+        if summary["status"] not in ("done", "diverged"):
+            print(f"{name} stopped ({summary['status']}); rerun the same command to continue")
+            return None
+    return write_report(out, list(runs))

@@ -1,0 +1,336 @@
+"""Reports of a comparison: a Markdown page, its PNG plots, and the same table as JSON.
+
+From the runs in `OUT/runs/*` (their `config.json`, `summary.json`, `metrics.jsonl`):
+
+- `report.md`: the table (final held-out loss, relative gap to BF16, bits per byte, tokens/s,
+  speed relative to BF16, peak GPU memory), the plots, and the numerics telemetry: for each
+  quantized run, the layer/operand pairs with the lowest SQNR;
+- `loss_curves.png`: training and held-out loss over steps;
+- `gap_to_bf16.png`: (loss - loss_bf16) / loss_bf16 over steps, held-out and training loss;
+- `telemetry_NAME.png`: per run, one heatmap per quantized operand, layer x step, of the SQNR;
+- `report.json`: the table, for docs and scripts.
+
+The relative gap compares losses at the same step, so every run must share the batches (which
+`compare` guarantees). matplotlib is imported only here, and only when plotting.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from blockscale.train.loop import read_metrics
+
+BASELINE = "bf16"
+
+
+def load_run(run_dir: Path) -> dict:
+    summary_path = run_dir / "summary.json"
+    return {
+        "name": run_dir.name,
+        "config": json.loads((run_dir / "config.json").read_text()),
+        "summary": json.loads(summary_path.read_text()) if summary_path.exists() else {},
+        "rows": read_metrics(run_dir),
+    }
+
+
+def _gap(value: float | None, base: float | None) -> float | None:
+    if value is None or base is None or not math.isfinite(value):
+        return None
+    return 100.0 * (value - base) / base
+
+
+def _ema(values: list[float], alpha: float = 0.3) -> list[float]:
+    out, acc = [], None
+    for v in values:
+        acc = v if acc is None else alpha * v + (1 - alpha) * acc
+        out.append(acc)
+    return out
+
+
+def _series(run: dict, kind: str, key: str) -> tuple[list[int], list[float]]:
+    rows = [r for r in run["rows"] if r["kind"] == kind]
+    return [r["step"] for r in rows], [r[key] for r in rows]
+
+
+def table(runs: list[dict]) -> list[dict]:
+    base = next((r["summary"] for r in runs if r["name"] == BASELINE), {})
+    rows = []
+    for run in runs:
+        s = run["summary"]
+        speed = s.get("tokens_per_s")
+        rows.append(
+            {
+                "run": run["name"],
+                "val_loss": s.get("val_loss"),
+                "gap_pct": _gap(s.get("val_loss"), base.get("val_loss")),
+                "val_bpb": s.get("val_bpb"),
+                "tokens_per_s": speed,
+                "speed_vs_bf16": speed / base["tokens_per_s"]
+                if speed and base.get("tokens_per_s")
+                else None,
+                "peak_memory_gib": s.get("peak_memory_gib"),
+                "status": s.get("status", "unfinished"),
+            }
+        )
+    return rows
+
+
+def _fmt(value, spec: str, none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def _cells(row: dict) -> list[str]:
+    return [
+        row["run"],
+        _fmt(row["val_loss"], ".4f"),
+        _fmt(row["gap_pct"], "+.2f") + ("%" if row["gap_pct"] is not None else ""),
+        _fmt(row["val_bpb"], ".3f"),
+        _fmt(row["tokens_per_s"], ",.0f"),
+        _fmt(row["speed_vs_bf16"], ".2f") + ("x" if row["speed_vs_bf16"] is not None else ""),
+        _fmt(row["peak_memory_gib"], ".2f", "n/a (CPU)"),
+        row["status"],
+    ]
+
+
+HEADER = [
+    "run",
+    "val loss",
+    "gap to BF16",
+    "bits/byte",
+    "tokens/s",
+    "speed vs BF16",
+    "peak GiB",
+    "status",
+]
+
+
+def format_table(rows: list[dict]) -> str:
+    """The table as aligned plain text, for the terminal."""
+    cells = [HEADER] + [_cells(r) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in cells)
+
+
+def _markdown_table(header: list[str], lines: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(line) + " |" for line in lines]
+    return "\n".join(out)
+
+
+def telemetry_grid(run: dict) -> tuple[list[int], dict[str, dict[str, list[float]]]]:
+    """(steps, {operand: {layer: [sqnr_db per step]}}) of one run's telemetry rows."""
+    rows = [r for r in run["rows"] if r["kind"] == "telemetry" and r["layers"]]
+    steps = [r["step"] for r in rows]
+    grid: dict[str, dict[str, list[float]]] = {}
+    for i, row in enumerate(rows):
+        for layer, operands in row["layers"].items():
+            for operand, stats in operands.items():
+                series = grid.setdefault(operand, {}).setdefault(layer, [math.nan] * len(rows))
+                series[i] = stats["sqnr_db"]
+    return steps, grid
+
+
+def worst_operands(run: dict, count: int = 5) -> list[list[str]]:
+    """The (layer, operand) pairs of lowest mean SQNR, with their zero fraction and amax."""
+    rows = [r for r in run["rows"] if r["kind"] == "telemetry" and r["layers"]]
+    acc: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        for layer, operands in row["layers"].items():
+            for operand, stats in operands.items():
+                acc.setdefault((layer, operand), []).append(stats)
+    ranked = sorted(acc.items(), key=lambda kv: sum(s["sqnr_db"] for s in kv[1]) / len(kv[1]))
+    lines = []
+    for (layer, operand), stats in ranked[:count]:
+        n = len(stats)
+        lines.append(
+            [
+                layer,
+                operand,
+                f"{sum(s['sqnr_db'] for s in stats) / n:.1f}",
+                f"{min(s['sqnr_db'] for s in stats):.1f}",
+                f"{100 * sum(s['zero_frac'] for s in stats) / n:.2f}%",
+                f"{max(s['amax'] for s in stats):.3g}",
+            ]
+        )
+    return lines
+
+
+def plot(out: Path, runs: list[dict]) -> list[tuple[str, str]]:
+    """Write the PNGs; returns (caption, file name) pairs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for run in runs:
+        steps, loss = _series(run, "train", "loss")
+        ax_train.plot(steps, _ema(loss), label=run["name"], linewidth=1.2)
+        steps, val = _series(run, "eval", "val_loss")
+        ax_val.plot(steps, val, marker="o", markersize=3, label=run["name"])
+    for ax, title in ((ax_train, "training loss (EMA)"), (ax_val, "held-out loss")):
+        ax.set(title=title, xlabel="step", ylabel="loss (nats/byte)")
+        ax.grid(alpha=0.3)
+    ax_val.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "loss_curves.png", dpi=110)
+    plt.close(fig)
+    made.append(("Loss curves", "loss_curves.png"))
+
+    base = next((r for r in runs if r["name"] == BASELINE), None)
+    if base is not None and len(runs) > 1:
+        fig, (ax_val, ax_train) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for kind, key, ax, smooth in (
+            ("eval", "val_loss", ax_val, False),
+            ("train", "loss", ax_train, True),
+        ):
+            base_steps, base_loss = _series(base, kind, key)
+            reference = dict(zip(base_steps, _ema(base_loss) if smooth else base_loss))
+            for run in runs:
+                if run is base:
+                    continue
+                steps, loss = _series(run, kind, key)
+                loss = _ema(loss) if smooth else loss
+                pairs = [(s, _gap(v, reference[s])) for s, v in zip(steps, loss) if s in reference]
+                pairs = [(s, g) for s, g in pairs if g is not None]
+                style = (
+                    {"linestyle": "--", "color": "gray"} if run["name"].startswith(BASELINE) else {}
+                )
+                ax.plot(
+                    [s for s, _ in pairs],
+                    [g for _, g in pairs],
+                    label=run["name"],
+                    marker="o" if not smooth else None,
+                    markersize=3,
+                    **style,
+                )
+            ax.axhline(0.0, color="black", linewidth=0.8)
+            ax.set(
+                xlabel="step",
+                ylabel="relative gap to BF16 (%)",
+                title=f"{'held-out' if kind == 'eval' else 'training (EMA)'} loss vs BF16",
+            )
+            ax.grid(alpha=0.3)
+        ax_val.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "gap_to_bf16.png", dpi=110)
+        plt.close(fig)
+        made.append(("Relative gap to BF16", "gap_to_bf16.png"))
+
+    for run in runs:
+        steps, grid = telemetry_grid(run)
+        if not grid:
+            continue
+        layers = list(next(iter(grid.values())))
+        cols = min(3, len(grid))
+        nrows = -(-len(grid) // cols)
+        fig, axes = plt.subplots(
+            nrows, cols, figsize=(5 * cols, 0.9 + nrows * (0.6 + 0.22 * len(layers))), squeeze=False
+        )
+        for ax in axes.flat[len(grid) :]:
+            ax.axis("off")
+        for ax, (operand, by_layer) in zip(axes.flat, grid.items()):
+            names = list(by_layer)
+            image = ax.imshow(
+                torch.tensor([by_layer[n] for n in names]).numpy(),
+                aspect="auto",
+                cmap="viridis",
+                interpolation="nearest",
+            )
+            ax.set_title(operand, fontsize=9)
+            ax.set_yticks(range(len(names)), [n.removeprefix("layers.") for n in names], fontsize=7)
+            ticks = list(range(0, len(steps), max(1, len(steps) // 6)))
+            ax.set_xticks(ticks, [str(steps[i]) for i in ticks], fontsize=7)
+            ax.set_xlabel("step", fontsize=8)
+            fig.colorbar(image, ax=ax, label="SQNR (dB)")
+        fig.suptitle(
+            f"{run['name']}: SQNR of each quantized operand against BF16 (low = hurts)", fontsize=10
+        )
+        fig.tight_layout()
+        name = f"telemetry_{run['name']}.png"
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        made.append((f"Telemetry: {run['name']}", name))
+    return made
+
+
+def write_report(out: Path, names: list[str]) -> Path:
+    """Write report.md, report.json and the plots for the runs `names` under `out/runs/`."""
+    out = Path(out)
+    runs = [
+        load_run(out / "runs" / n) for n in names if (out / "runs" / n / "config.json").exists()
+    ]
+    rows = table(runs)
+    try:
+        plots = plot(out, runs)
+        plot_note = ""
+    except ImportError:
+        plots, plot_note = [], "Plots skipped: matplotlib is not installed.\n"
+    cfg = runs[0]["config"]
+    tokens_per_step = (
+        cfg["batch_size"] * cfg["grad_accum"] * (cfg["seq_len"] or _model_seq_len(cfg["model"]))
+    )
+    device = runs[0]["summary"].get("device", "?")
+    lines = [
+        f"# blockscale compare: `{cfg['model']}` on `{cfg['data']}`",
+        "",
+        f"{datetime.date.today().isoformat()}, {device}, torch {torch.__version__}. "
+        f"{cfg['steps']} steps of {tokens_per_step:,} tokens (bytes), seed {cfg['seed']}, "
+        f"same batches for every run. Gap to BF16: (loss - loss_bf16) / loss_bf16 of the final held-out loss.",
+        "",
+        _markdown_table(HEADER, [_cells(r) for r in rows]),
+        "",
+        plot_note,
+    ]
+    for caption, file in plots:
+        if not file.startswith("telemetry_"):
+            lines += [f"## {caption}", "", f"![{caption}]({file})", ""]
+    lines += [
+        "## Numerics telemetry: which layers hurt?",
+        "",
+        "SQNR in dB of each quantized operand against its BF16 value (higher is better; an NVFP4 "
+        "operand of Gaussian values sits near 20 dB, MXFP8 near 31 dB); zero fraction: nonzero values "
+        "that quantize to zero; amax: the largest magnitude seen. Lowest mean SQNR first.",
+        "",
+    ]
+    for run in runs:
+        worst = worst_operands(run)
+        if not worst:
+            continue
+        lines += [f"### {run['name']}", ""]
+        lines += [
+            _markdown_table(
+                ["layer", "operand", "mean SQNR dB", "min SQNR dB", "zero fraction", "max amax"],
+                worst,
+            ),
+            "",
+        ]
+        lines += [f"![telemetry {run['name']}](telemetry_{run['name']}.png)", ""] if plots else []
+    lines += ["## Runs", ""]
+    for run in runs:
+        differs = {k: v for k, v in run["config"].items() if v != cfg.get(k)}
+        detail = run["summary"].get("recipe_detail", run["config"]["recipe"])
+        lines += [
+            f"- `{run['name']}`: {json.dumps(differs) if differs else 'the first run'}",
+            "",
+            "```",
+            detail,
+            "```",
+            "",
+        ]
+    lines += ["Shared configuration:", "", "```json", json.dumps(cfg, indent=2), "```", ""]
+    (out / "report.md").write_text("\n".join(lines))
+    (out / "report.json").write_text(json.dumps({"config": cfg, "table": rows}, indent=2) + "\n")
+    return out / "report.md"
+
+
+def _model_seq_len(model: str) -> int:
+    from blockscale.models import SIZES
+
+    return SIZES[model].seq_len
