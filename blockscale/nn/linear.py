@@ -1,0 +1,62 @@
+"""`blockscale.nn.Linear`: an `nn.Linear` whose forward runs `blockscale.linear` with a recipe.
+
+It subclasses `nn.Linear` so everything that inspects a model (optimizers, FSDP, state_dict
+keys, `isinstance` checks, weight tying) sees the same parameters under the same names.
+`from_float` wraps an existing layer and shares its parameters rather than copying them.
+
+`quantize_enabled` is the precision schedule's switch (`blockscale.nn.set_precision`): when
+False the layer computes a plain `F.linear` in the input's (or autocast's) precision. It is a
+Python attribute, so under torch.compile flipping it costs one recompilation, once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockscale.ops.linear import linear
+from blockscale.recipes import Recipe
+
+
+class Linear(nn.Linear):
+    """nn.Linear with its three GEMMs quantized as `recipe` says."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        recipe: Recipe,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be a blockscale Recipe, got {type(recipe).__name__}")
+        self.recipe = recipe
+        self.quantize_enabled = True
+
+    @classmethod
+    def from_float(cls, module: nn.Linear, recipe: Recipe) -> Linear:
+        """A Linear that shares `module`'s weight and bias Parameters (no copy, no init)."""
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"from_float takes an nn.Linear, got {type(module).__name__}")
+        with torch.device("meta"):
+            new = cls(
+                module.in_features, module.out_features, bias=module.bias is not None, recipe=recipe
+            )
+        new.weight = module.weight
+        new.bias = module.bias
+        new.train(module.training)
+        return new
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.quantize_enabled:
+            return F.linear(input, self.weight, self.bias)
+        return linear(input, self.weight, self.bias, self.recipe)
+
+    def extra_repr(self) -> str:
+        state = "" if self.quantize_enabled else ", quantize_enabled=False"
+        return f"{super().extra_repr()}, recipe={self.recipe.name}{state}"

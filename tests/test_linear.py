@@ -1,0 +1,411 @@
+"""blockscale.linear against an independent step-by-step implementation of each recipe.
+
+The reference below is written from the recipe table and `formats/` only (not from ops/):
+it quantizes each operand with `formats.nvfp4.quantize` / `formats.mxfp8.quantize`, and
+multiplies the exact `_dq` operands in FP64, then applies alpha. linear() must
+
+- produce every quantized operand bit for bit (recorded by wrapping ops' quantize_operand), and
+- land within the FP32 rounding bound of the FP64 product for each GEMM.
+
+Tolerance. Each GEMM in linear sums K exact products (the `_dq` operands are exact and their
+products fit FP32) with FP32 accumulation, then multiplies by alpha and adds the bias in FP32,
+and casts once. The standard bound for a recursive sum of n terms is
+|fl(sum) - sum| <= gamma_n * sum|terms|, gamma_n = n*u / (1 - n*u), u = 2^-24; the alpha
+product, bias addition and the final cast add three more roundings, so
+|out - ref| <= gamma_{K+3} * (alpha * |A| @ |B|^T + |bias|), elementwise. The reference
+rounds nothing before its final comparison (FP64 products and sums of these operands are
+exact up to 2^-53 relative, far below u).
+"""
+
+import importlib
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blockscale import recipes
+from blockscale.formats import mxfp8, nvfp4
+from blockscale.ops import linear, quantize_operand
+from blockscale.ops.quantize import HighPrecisionTensor
+
+# blockscale.ops re-exports the function `linear`, which shadows the module of the same name.
+ops_linear = importlib.import_module("blockscale.ops.linear")
+U32 = 2.0**-24
+QUANTIZED = ["nvfp4", "nvfp4_fwd_mxfp8_bwd", "mxfp8"]
+VARIANTS = [
+    ("nvfp4", {}),
+    ("nvfp4", {"stochastic_rounding": False}),
+    ("nvfp4", {"weight_2d": False, "hadamard": False}),
+    ("nvfp4_fwd_mxfp8_bwd", {}),
+    ("mxfp8", {}),
+]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+# ---------------------------------------------------------------- the independent reference
+
+
+def ref_quantize(x, cfg, transpose=False):
+    if cfg.format == "nvfp4":
+        return nvfp4.quantize(
+            x, block=cfg.block, rounding=cfg.rounding.value, hadamard=cfg.hadamard,
+            transpose=transpose,
+        )  # fmt: skip
+    if cfg.format == "mxfp8":
+        return mxfp8.quantize(x, transpose=transpose)
+    raise AssertionError(f"the reference covers quantized recipes only, got {cfg.format}")
+
+
+def ref_alpha(a, b):
+    if isinstance(a, nvfp4.NVFP4Tensor):
+        return (a.global_decode_scale() * b.global_decode_scale()).double().cpu()
+    return torch.ones((), dtype=torch.float64)
+
+
+def ref_gemm(a_dq, b_dq, alpha, bias=None):
+    """(exact FP64 product, its error bound for an FP32-accumulated GEMM of contraction K)."""
+    a, b = a_dq.double().cpu(), b_dq.double().cpu()
+    k = a.shape[1]
+    exact = a @ b.t() * alpha
+    magnitude = a.abs() @ b.abs().t() * alpha
+    if bias is not None:
+        exact = exact + bias.double().cpu()
+        magnitude = magnitude + bias.double().cpu().abs()
+    gamma = (k + 3) * U32 / (1 - (k + 3) * U32)
+    return exact, gamma * magnitude
+
+
+def pad_rows(x, multiple):
+    return F.pad(x, (0, 0, 0, -x.shape[0] % multiple))
+
+
+def reference_step(x, w, b, go, recipe, seed):
+    """The recipe written out with formats/: operands (by name) and the three GEMM results."""
+    k, n = x.shape[-1], w.shape[0]
+    x2, go2 = x.reshape(-1, k), go.reshape(-1, n)
+    r = recipe
+    q = {}
+    q["output.input"] = ref_quantize(x2, r.output.input)
+    q["output.weight"] = ref_quantize(w, r.output.weight)
+    out = ref_gemm(q["output.input"].dq(), q["output.weight"].dq(),
+                   ref_alpha(q["output.input"], q["output.weight"]), b)  # fmt: skip
+
+    if r.grad_input.weight.block == "16x16":
+        w_t = q["output.weight"].t()  # the 16x16 copy's exact transpose
+    else:
+        w_t = ref_quantize(w, r.grad_input.weight, transpose=True)
+    q["grad_input.weight"] = w_t
+    bs_x = r.grad_weight.input_t.block_size
+    q["grad_weight.input_t"] = ref_quantize(pad_rows(x2, bs_x), r.grad_weight.input_t, True)
+
+    torch.manual_seed(seed)  # the backward's draws: grad_output, then grad_output_t
+    q["grad_input.grad_output"] = ref_quantize(go2, r.grad_input.grad_output)
+    bs_g = r.grad_weight.grad_output_t.block_size
+    q["grad_weight.grad_output_t"] = ref_quantize(
+        pad_rows(go2, bs_g), r.grad_weight.grad_output_t, transpose=True
+    )
+    grad_input = ref_gemm(q["grad_input.grad_output"].dq(), w_t.dq(),
+                          ref_alpha(q["grad_input.grad_output"], w_t))  # fmt: skip
+    gw_a, gw_b = q["grad_weight.grad_output_t"], q["grad_weight.input_t"]
+    grad_weight = ref_gemm(gw_a.dq(), gw_b.dq(), ref_alpha(gw_a, gw_b))
+    grad_bias = go2.double().sum(0).cpu()
+    return q, out, grad_input, grad_weight, grad_bias
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def make_inputs(lead, k, n, device="cpu", dtype=torch.float32, seed=0, outliers=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, k, generator=g)
+    if outliers:  # a few large values, so block scales differ a lot within the tensor
+        x.view(-1)[:: max(1, x.numel() // 7)] *= 40.0
+    w = torch.randn(n, k, generator=g) / math.sqrt(k)
+    b = torch.randn(n, generator=g)
+    go = torch.randn(*lead, n, generator=g)
+    return [t.to(device=device, dtype=dtype) for t in (x, w, b, go)]
+
+
+def run_linear(x, w, b, go, recipe, seed):
+    x = x.detach().requires_grad_(True)
+    w = w.detach().requires_grad_(True)
+    b = b.detach().requires_grad_(True)
+    y = linear(x, w, b, recipe)
+    torch.manual_seed(seed)
+    y.backward(go)
+    return y, x.grad, w.grad, b.grad
+
+
+class Recorder:
+    """Wraps ops.linear's quantize_operand and keeps every operand it produces, in order."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        monkeypatch.setattr(ops_linear, "quantize_operand", self)
+
+    def __call__(self, x, config, transpose=False, generator=None):
+        result = quantize_operand(x, config, transpose, generator)
+        self.calls.append((config, transpose, result))
+        return result
+
+
+def assert_same_operand(got, want, name):
+    assert type(got) is type(want), name
+    assert got.shape == want.shape, name
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), f"{name} codes"
+    assert torch.equal(got.scale.view(torch.uint8), want.scale.view(torch.uint8)), f"{name} scales"
+    if isinstance(want, nvfp4.NVFP4Tensor):
+        assert torch.equal(got.amax, want.amax), f"{name} amax"
+
+
+def assert_within(got, ref, name):
+    exact, bound = ref
+    err = (got.double().cpu() - exact).abs()
+    worst = (err - bound).max().item()
+    assert worst <= 0, f"{name}: error exceeds the FP32 bound by {worst:.3g}"
+
+
+def check_against_reference(recipe, lead, k, n, device, seed=1234):
+    x, w, b, go = make_inputs(lead, k, n, device)
+    q, out, grad_input, grad_weight, grad_bias = reference_step(x, w, b, go, recipe, seed)
+    y, gx, gw, gb = run_linear(x, w, b, go, recipe, seed)
+    assert_within(y.reshape(-1, n), out, "output")
+    assert_within(gx.reshape(-1, k), grad_input, "grad_input")
+    assert_within(gw, grad_weight, "grad_weight")
+    torch.testing.assert_close(gb.double().cpu(), grad_bias, rtol=1e-6, atol=1e-5)
+    return q
+
+
+# -------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize(("name", "switches"), VARIANTS)
+@pytest.mark.parametrize("lead", [(2, 24), (64,)], ids=["3d-padded-tokens", "2d"])
+def test_matches_step_by_step_reference(name, switches, lead, monkeypatch):
+    recipe = recipes.get(name, **switches)
+    recorder = Recorder(monkeypatch)
+    q = check_against_reference(recipe, lead, k=64, n=96, device="cpu")
+    # Forward: input, weight, [dgrad weight copy], input_t; backward: grad_output, grad_output_t.
+    names = ["output.input", "output.weight"]
+    if recipe.grad_input.weight.block != "16x16":
+        names.append("grad_input.weight")
+    names += ["grad_weight.input_t", "grad_input.grad_output", "grad_weight.grad_output_t"]
+    assert len(recorder.calls) == len(names)
+    for role, (_, _, result) in zip(names, recorder.calls):
+        assert_same_operand(result, q[role], role)
+
+
+def test_sixteen_by_sixteen_weight_is_quantized_once(monkeypatch):
+    recorder = Recorder(monkeypatch)
+    x, w, b, go = make_inputs((32,), 64, 32)
+    run_linear(x, w, b, go, recipes.get("nvfp4"), seed=0)
+    weight_calls = [c for c in recorder.calls if c[0].block == "16x16"]
+    assert len(weight_calls) == 1 and weight_calls[0][1] is False
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_sqnr_against_high_precision(name):
+    """SQNR (dB) of each GEMM result against the unquantized linear on the same data."""
+    x, w, b, go = make_inputs((256,), 256, 256, outliers=False)
+    y, gx, gw, _ = run_linear(x, w, b, go, recipes.get(name), seed=0)
+    y_ref, gx_ref, gw_ref, _ = run_linear(x, w, b, go, recipes.get("bf16"), seed=0)
+
+    def sqnr(got, ref):
+        return (10 * torch.log10(ref.pow(2).sum() / (got - ref).pow(2).sum())).item()
+
+    got = {
+        "output": sqnr(y, y_ref),
+        "grad_input": sqnr(gx, gx_ref),
+        "grad_weight": sqnr(gw, gw_ref),
+    }
+    # Measured on this data (3 seeds): nvfp4 output 19.7-20.1 dB (two operands at nearest,
+    # the exact bias adds signal), gradients 15.0-15.6 dB (stochastic rounding's error variance
+    # is larger than nearest's); MXFP8 (3 mantissa bits, 2 more than E2M1: ~12 dB) 28.4-31.9 dB.
+    # Floors sit ~2 dB under the lowest measurement, so only a real loss of precision trips them.
+    floors = {
+        "nvfp4": {"output": 17.5, "grad_input": 13.0, "grad_weight": 13.0},
+        "nvfp4_fwd_mxfp8_bwd": {"output": 17.5, "grad_input": 26.0, "grad_weight": 26.0},
+        "mxfp8": {"output": 29.0, "grad_input": 26.0, "grad_weight": 26.0},
+    }[name]
+    for gemm, value in got.items():
+        assert value > floors[gemm], f"{name} {gemm}: SQNR {value:.1f} dB <= {floors[gemm]}"
+    assert all(v < 40 for v in got.values()), f"{name}: SQNR {got} too high to be quantized"
+
+
+def saved_bytes(fn):
+    """Bytes of distinct tensors an autograd graph saves for backward while `fn` runs."""
+    seen = {}
+
+    def pack(t):
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.dtype)
+        seen[key] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def test_saved_for_backward_memory_is_below_a_third_of_bf16():
+    m, k, n = 512, 256, 256
+    x = torch.randn(m, k, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(n, k, dtype=torch.bfloat16, requires_grad=True)
+    bf16_bytes, _ = saved_bytes(lambda: F.linear(x, w))
+    nvfp4_bytes, _ = saved_bytes(lambda: linear(x, w, None, recipes.get("nvfp4")))
+    assert bf16_bytes == (m * k + n * k) * 2  # F.linear keeps the input and the weight
+    assert nvfp4_bytes < 0.35 * bf16_bytes, (nvfp4_bytes, bf16_bytes)
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_never_saves_the_high_precision_input(name):
+    x = torch.randn(64, 64, requires_grad=True)
+    w = torch.randn(64, 64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        linear(x, w, None, recipes.get(name))
+    assert saved and all(t.dtype not in (torch.float32, torch.bfloat16) or t.numel() == 1
+                         for t in saved)  # fmt: skip
+
+
+def test_no_grad_and_partial_grads():
+    x, w, b, go = make_inputs((32,), 64, 32)
+    r = recipes.get("nvfp4")
+    with torch.no_grad():
+        y0 = linear(x, w, b, r)
+    w_ = w.clone().requires_grad_(True)
+    y = linear(x, w_, None, r)  # input needs no grad: dgrad and its weight copy are skipped
+    y.backward(go)
+    assert x.grad is None and w_.grad is not None
+    torch.testing.assert_close(y + b, y0, rtol=1e-6, atol=1e-5)
+
+
+def test_output_dtypes_follow_input_and_autocast():
+    x, w, b, go = make_inputs((32,), 64, 32)
+    r = recipes.get("nvfp4")
+    xb = x.bfloat16().requires_grad_(True)
+    wf = w.clone().requires_grad_(True)
+    y = linear(xb, wf, None, r)
+    y.backward(go.bfloat16())
+    assert y.dtype == torch.bfloat16 and xb.grad.dtype == torch.bfloat16
+    assert wf.grad.dtype == torch.float32
+    xf = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = linear(xf, wf, b, r)
+    assert y.dtype == torch.bfloat16
+    y.float().backward(go)
+    assert xf.grad.dtype == torch.float32
+
+
+def test_bf16_input_matches_reference_after_one_rounding():
+    # BF16 in and out: the GEMM result is the FP32 result rounded once to BF16, so it lies
+    # within the BF16 unit roundoff (2^-8 relative) of the reference plus the FP32 bound.
+    x, w, b, go = make_inputs((64,), 64, 32, dtype=torch.bfloat16)
+    r = recipes.get("nvfp4", stochastic_rounding=False)
+    _, out, _, _, _ = reference_step(x, w, b, go, r, seed=0)
+    y, *_ = run_linear(x, w, b, go, r, seed=0)
+    exact, bound = out
+    err = (y.double() - exact).abs()
+    assert (err <= bound + exact.abs() * 2.0**-8).all()
+
+
+def test_stochastic_rounding_is_reproducible_under_a_seed():
+    x, w, b, go = make_inputs((64,), 64, 32)
+    r = recipes.get("nvfp4")
+    _, gx1, gw1, _ = run_linear(x, w, b, go, r, seed=7)
+    _, gx2, gw2, _ = run_linear(x, w, b, go, r, seed=7)
+    _, gx3, gw3, _ = run_linear(x, w, b, go, r, seed=8)
+    assert torch.equal(gx1, gx2) and torch.equal(gw1, gw2)
+    assert not torch.equal(gx1, gx3) and not torch.equal(gw1, gw3)
+
+
+def test_bf16_recipe_is_f_linear():
+    x, w, b, go = make_inputs((2, 8), 24, 40)  # dims that fit no block: bf16 does not care
+    y, gx, gw, gb = run_linear(x, w, b, go, recipes.get("bf16"), seed=0)
+    xr, wr, br = (t.clone().requires_grad_(True) for t in (x, w, b))
+    y_ref = F.linear(xr, wr, br)
+    y_ref.backward(go)
+    assert torch.equal(y, y_ref)
+    assert torch.equal(gx, xr.grad) and torch.equal(gw, wr.grad) and torch.equal(gb, br.grad)
+
+
+@pytest.mark.parametrize(
+    ("k", "n", "name", "message"),
+    [
+        (40, 32, "nvfp4", "in_features=40 is not a multiple of 16"),
+        (64, 40, "nvfp4", "out_features=40 is not a multiple of 16"),
+        (48, 64, "mxfp8", "in_features=48 is not a multiple of 32"),
+    ],
+)
+def test_dims_that_do_not_fit_raise(k, n, name, message):
+    with pytest.raises(ValueError, match=message):
+        linear(torch.randn(4, k), torch.randn(n, k), None, recipes.get(name))
+
+
+def test_native_backend_refused_off_blackwell():
+    r = recipes.get("nvfp4").with_backend("native")
+    with pytest.raises(ValueError, match=r"compute capability >= 10.0"):
+        linear(torch.randn(16, 64), torch.randn(32, 64), None, r)
+
+
+def test_quantize_operand_bf16_passthrough():
+    x = torch.randn(3, 5, 8)
+    hp = quantize_operand(x, recipes.OperandConfig(), transpose=True)
+    assert isinstance(hp, HighPrecisionTensor) and hp.shape == (8, 15)
+    assert torch.equal(hp.dequantize(), x.reshape(15, 8).t())
+
+
+# --------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize(("name", "switches"), VARIANTS)
+def test_gpu_matches_step_by_step_reference(name, switches, monkeypatch):
+    recipe = recipes.get(name, **switches).with_backend("emulated")
+    check_against_reference(recipe, (4, 96), k=256, n=512, device="cuda")
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_reproducible_under_a_seed():
+    x, w, b, go = make_inputs((4, 128), 256, 256, device="cuda", dtype=torch.bfloat16)
+    r = recipes.get("nvfp4")
+    first = run_linear(x, w, b, go, r, seed=3)
+    second = run_linear(x, w, b, go, r, seed=3)
+    third = run_linear(x, w, b, go, r, seed=4)
+    assert all(torch.equal(a, c) for a, c in zip(first, second))
+    assert not torch.equal(first[2], third[2])
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_cuda_graph_replays_draw_fresh_noise():
+    x = torch.randn(256, 256, device="cuda")
+    cfg = recipes.get("nvfp4").grad_input.grad_output
+    assert cfg.rounding == "stochastic"
+    static = {}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        quantize_operand(x, cfg)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static["codes"] = quantize_operand(x, cfg).data
+    graph.replay()
+    first = static["codes"].clone()
+    graph.replay()
+    assert not torch.equal(first, static["codes"])
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_autocast_bf16_training_step():
+    x, w, b, go = make_inputs((4, 64), 256, 256, device="cuda")
+    w.requires_grad_(True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = linear(x, w, b, recipes.get("nvfp4"))
+    assert y.dtype == torch.bfloat16
+    y.backward(go.bfloat16())
+    assert w.grad.dtype == torch.float32 and torch.isfinite(w.grad).all()
