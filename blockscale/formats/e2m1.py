@@ -86,4 +86,5 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack(data: torch.Tensor) -> torch.Tensor:
     """[..., K/2] packed bytes -> [..., K] uint8 codes."""
-    return torch.stack((data & 0xF, data >> 4), dim=-1).reshape(*data.shape[:-1], -1)
+    codes = torch.stack((data & 0xF, data >> 4), dim=-1)
+    return codes.reshape(*data.shape[:-1], 2 * data.shape[-1])  # explicit: -1 fails on empty

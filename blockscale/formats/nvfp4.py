@@ -85,7 +85,9 @@ class NVFP4Tensor:
 def encode_scale(amax: torch.Tensor) -> torch.Tensor:
     """S_enc = 448*6/amax, capped at FLT_MAX; 1 where amax == 0 or S_enc == 0 (amax Inf)."""
     amax = amax.float()
-    s_enc = (_ENCODE_NUMERATOR / amax).clamp(max=FLT_MAX)
+    # One correctly rounded FP32 division, as in TE. A Python number on the left
+    # (`2688 / amax`) would make torch compute reciprocal(amax) * 2688: two roundings.
+    s_enc = torch.div(torch.full_like(amax, _ENCODE_NUMERATOR), amax).clamp(max=FLT_MAX)
     return torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
 
 
