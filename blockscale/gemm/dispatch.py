@@ -103,6 +103,10 @@ def _check(a: Operand, b: Operand) -> None:
         )
 
 
+def _device(op: Operand) -> torch.device:
+    return op.base.data.device if isinstance(op, Transposed) else op.data.device
+
+
 def _alpha(a: Operand, b: Operand) -> torch.Tensor | None:
     if _is_nvfp4(a):
         return a.global_decode_scale() * b.global_decode_scale()
@@ -112,7 +116,10 @@ def _alpha(a: Operand, b: Operand) -> torch.Tensor | None:
 def _emulated(
     a: Operand, b: Operand, out_dtype: torch.dtype, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    acc = emulated.mm_fp32_accumulate(a.dq(), b.dq())
+    # On CUDA the GEMM reads BF16 operands; CPUs multiply in FP32, so build FP32 ones there
+    # directly instead of BF16 ones that would be widened (both are exact).
+    dq_dtype = torch.bfloat16 if _device(a).type == "cuda" else torch.float32
+    acc = emulated.mm_fp32_accumulate(a.dq(dq_dtype), b.dq(dq_dtype))
     alpha = _alpha(a, b)
     if alpha is not None:
         acc.mul_(alpha)
@@ -144,8 +151,7 @@ def scaled_mm(
         raise ValueError(f"out_dtype {out_dtype} is not one of {emulated.OUT_DTYPES}")
     if bias is not None:
         bias = bias.float()
-    device = a.base.data.device if isinstance(a, Transposed) else a.data.device
-    resolved = resolve_backend(backend, device)
+    resolved = resolve_backend(backend, _device(a))
     if resolved is Backend.NATIVE:
         return _native(a, b, out_dtype, bias)
     return _emulated(a, b, out_dtype, bias)

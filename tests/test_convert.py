@@ -1,0 +1,180 @@
+"""convert(), the layer policy and the precision schedule on a small Llama-like model."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import blockscale.nn as bsnn
+from blockscale import recipes
+from blockscale.models import Transformer, model_config
+
+N_LAYERS = 8  # 15% of 8 blocks rounds to 1: layers.7 stays in BF16
+LINEARS_PER_BLOCK = 4  # wqkv, wo, w13, w2
+
+
+def tiny_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return Transformer(model_config("tiny", n_layers=N_LAYERS, seq_len=32, **overrides))
+
+
+def converted_names(model):
+    return {name for name, m in model.named_modules() if isinstance(m, bsnn.Linear)}
+
+
+def test_convert_all_counts_and_logs(caplog):
+    model = tiny_model()
+    params_before = {n: p for n, p in model.named_parameters()}
+    with caplog.at_level(logging.INFO, logger="blockscale"):
+        out = bsnn.convert(model, recipes.get("nvfp4"))
+    assert out is model
+    total = N_LAYERS * LINEARS_PER_BLOCK + 1  # + lm_head
+    assert len(converted_names(model)) == total
+    assert f"converted {total} of {total} linears to recipe nvfp4" in caplog.text
+    # The Parameters are shared, not copied: optimizers built before convert still work.
+    assert all(p is params_before[n] for n, p in model.named_parameters())
+
+
+def test_layer_policy_keeps_tail_head_and_embeddings_bf16(caplog):
+    model = tiny_model()
+    with caplog.at_level(logging.INFO, logger="blockscale"):
+        policy = bsnn.layer_policy(model)
+        bsnn.convert(model, recipes.get("nvfp4"), module_filter_fn=policy)
+    names = converted_names(model)
+    assert len(names) == (N_LAYERS - 1) * LINEARS_PER_BLOCK
+    assert not any(n.startswith("layers.7.") for n in names)
+    assert "lm_head" not in names and "layers.0.attn.wqkv" in names
+    assert isinstance(model.tok_embeddings, nn.Embedding)
+    total = N_LAYERS * LINEARS_PER_BLOCK + 1
+    assert f"converted {len(names)} of {total} linears" in caplog.text
+    assert "kept in BF16: [7]" in caplog.text
+
+
+def test_layer_policy_is_configurable():
+    model = tiny_model()
+    policy = bsnn.layer_policy(model, bf16_tail_fraction=0.25, bf16_head_blocks=1, bf16_names=())
+    bsnn.convert(model, recipes.get("mxfp8"), module_filter_fn=policy)
+    blocks = {int(n.split(".")[1]) for n in converted_names(model) if n.startswith("layers.")}
+    assert blocks == {1, 2, 3, 4, 5}
+    # With no name rules the head is still recognised by its vocabulary-sized output.
+    assert "lm_head" not in converted_names(model)
+    nothing_kept = bsnn.layer_policy(tiny_model(), bf16_tail_fraction=0.0, bf16_names=())
+    assert nothing_kept(nn.Linear(64, 64), "layers.7.mlp.w2")
+    with pytest.raises(ValueError, match="bf16_tail_fraction=1.5 is not in"):
+        bsnn.layer_policy(model, bf16_tail_fraction=1.5)
+
+
+def test_layer_policy_router_and_named_blocks():
+    class MoEBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Linear(64, 8, bias=False)
+            self.gate = nn.Linear(64, 8, bias=False)
+            self.up = nn.Linear(64, 128)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.decoder = nn.ModuleList(MoEBlock() for _ in range(10))
+            self.extras = nn.ModuleList([nn.Linear(64, 64), nn.ReLU()])
+
+    net = Net()
+    policy = bsnn.layer_policy(net)
+    assert policy.blocks == "decoder" and policy.bf16_blocks == {8, 9}
+    assert not policy(net.decoder[0].router, "decoder.0.router")
+    assert not policy(net.decoder[0].gate, "decoder.0.gate")
+    assert policy(net.decoder[0].up, "decoder.0.up")
+    assert not policy(net.decoder[9].up, "decoder.9.up")
+    with pytest.raises(ValueError, match="blocks='nope' names no nn.ModuleList"):
+        bsnn.layer_policy(net, blocks="nope")
+
+
+def test_convert_skips_layers_that_do_not_fit_and_says_so(caplog):
+    model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 40), nn.Linear(40, 64))
+    with caplog.at_level(logging.INFO, logger="blockscale"):
+        bsnn.convert(model, recipes.get("nvfp4"))
+    assert [type(m) for m in model] == [bsnn.Linear, nn.ReLU, nn.Linear, nn.Linear]
+    assert "2 stays in high precision: out_features=40 is not a multiple of 16" in caplog.text
+    assert "3 stays in high precision: in_features=40 is not a multiple of 16" in caplog.text
+    assert "converted 1 of 3 linears" in caplog.text
+
+
+def test_convert_module_filter_fn_sees_module_and_fqn():
+    model = tiny_model()
+    seen = []
+
+    def only_mlp(module, fqn):
+        seen.append((type(module), fqn))
+        return ".mlp." in fqn
+
+    bsnn.convert(model, recipes.get("nvfp4"), module_filter_fn=only_mlp)
+    assert all(t is nn.Linear for t, _ in seen) and len(seen) == N_LAYERS * 4 + 1
+    assert converted_names(model) == {
+        f"layers.{i}.mlp.{w}" for i in range(N_LAYERS) for w in ("w13", "w2")
+    }
+
+
+def test_convert_is_post_order_and_handles_a_bare_linear():
+    lin = nn.Linear(32, 32)
+    out = bsnn.convert(lin, recipes.get("mxfp8"))
+    assert isinstance(out, bsnn.Linear) and out.weight is lin.weight
+    shared = nn.Linear(32, 32)
+    seq = nn.Sequential(shared, nn.Sequential(shared))  # one module registered twice
+    bsnn.convert(seq, recipes.get("mxfp8"))
+    assert seq[0] is seq[1][0] and isinstance(seq[0], bsnn.Linear)
+
+
+def test_forward_backward_and_state_dict_round_trip():
+    model = tiny_model()
+    reference = tiny_model()
+    reference.load_state_dict(model.state_dict())
+    bsnn.convert(model, recipes.get("nvfp4"), module_filter_fn=bsnn.layer_policy(model))
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    tokens = torch.randint(0, 256, (2, 32))
+    logits = model(tokens)
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    ref_logits = reference(tokens)
+    rel = (logits - ref_logits).norm() / ref_logits.norm()
+    assert 0 < rel < 0.3, rel  # quantized, but close to the high-precision model
+
+    # Round trip: converted -> plain, plain -> converted, bit for bit.
+    fresh = tiny_model(seed=1)
+    fresh.load_state_dict(model.state_dict())
+    assert torch.equal(fresh.lm_head.weight, model.lm_head.weight)
+    back = tiny_model(seed=2)
+    bsnn.convert(back, recipes.get("nvfp4"), module_filter_fn=bsnn.layer_policy(back))
+    back.load_state_dict(fresh.state_dict())
+    assert torch.equal(back(tokens), model(tokens))
+
+
+def test_set_precision_and_schedule():
+    model = tiny_model()
+    bsnn.convert(model, recipes.get("nvfp4"))
+    reference = tiny_model()
+    tokens = torch.randint(0, 256, (2, 32))
+    assert not torch.equal(model(tokens), reference(tokens))
+    assert bsnn.set_precision(model, False) == N_LAYERS * LINEARS_PER_BLOCK + 1
+    assert torch.equal(model(tokens), reference(tokens))
+    assert "quantize_enabled=False" in repr(model.lm_head)
+
+    schedule = bsnn.PrecisionSchedule(total_steps=100, bf16_final_fraction=0.18)
+    assert schedule.switch_step == 82
+    assert schedule.apply(model, 81) and model.layers[0].mlp.w2.quantize_enabled
+    assert not schedule.apply(model, 82) and not model.layers[0].mlp.w2.quantize_enabled
+    with pytest.raises(ValueError, match="bf16_final_fraction=2 is not in"):
+        bsnn.PrecisionSchedule(10, 2)
+
+
+def test_linear_module_basics():
+    lin = bsnn.Linear(64, 32, recipe=recipes.get("nvfp4"))
+    assert isinstance(lin, nn.Linear) and lin.weight.shape == (32, 64)
+    assert "recipe=nvfp4" in repr(lin)
+    y = lin(torch.randn(3, 5, 64))
+    assert y.shape == (3, 5, 32)
+    with pytest.raises(TypeError, match="recipe must be a blockscale Recipe"):
+        bsnn.Linear(64, 32, recipe="nvfp4")
