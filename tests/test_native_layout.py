@@ -179,5 +179,8 @@ def test_gpu_native_linear_equals_emulated(name):
         y.backward(go)
         results[backend] = (y, x.grad.clone(), w.grad.clone())
     for got, want in zip(results["native"], results["emulated"]):
-        # Only the FP32 accumulation order differs between the two.
-        torch.testing.assert_close(got, want, rtol=512 * 2.0**-24, atol=1e-6)
+        # Only the FP32 accumulation order differs. Outputs are sums of <= 512 products of
+        # size ~1 (|out| ~ 20); FP32 reordering moves them by ~sqrt(512) * 2^-24 * 20 ~ 3e-5
+        # typically and K * 2^-24 * sum|a*b| ~ 1e-2 at worst: atol 1e-3 is far from either
+        # a wrong scale layout (errors of order |out|) and from the typical rounding noise.
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
