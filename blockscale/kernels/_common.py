@@ -1,0 +1,162 @@
+"""Device helpers shared by the kernel families: exact scalar codecs written with integer bit
+operations, so the same code is exact on the GPU and in Triton's interpreter.
+
+Why bits and not casts: the interpreter rounds FP32 -> BF16 and FP32 -> FP8 by truncation (or
+half-away), and Triton's `/` lowers to an approximate division on the GPU. Every rounding
+NUMERICS.md asks for is therefore spelled out here: RNE to BF16, RNE to E4M3 (normal and
+subnormal), IEEE division through `div_rn`, clamps written with `where` so NaN goes through
+them as it does through `torch.clamp`. No helper forms `a * b + c` where the reference rounds
+the product first (FMA contraction would change the bits).
+"""
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from blockscale.formats import hadamard as rht
+
+FLT_MAX = 3.4028234663852886e38
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available(x: torch.Tensor) -> bool:
+    """True when the Triton kernels can run on x: a CUDA tensor, or a CPU tensor while
+    Triton's interpreter is on (tests)."""
+    if not isinstance(x, torch.Tensor):
+        return False
+    if x.is_cuda:
+        return True
+    return x.device.type == "cpu" and interpreting()
+
+
+@functools.cache
+def hadamard_matrix(device: torch.device) -> torch.Tensor:
+    """The default RHT matrix as FP32 [16, 16] on `device` (cast to the input dtype in-kernel;
+    its +-1/4 entries are exact in every float dtype)."""
+    return rht.matrix(rht.DEFAULT_SIGNS, torch.float32, device).contiguous()
+
+
+def dot_in_fp32(x: torch.Tensor) -> bool:
+    """The interpreter multiplies BF16 as raw uint16, and FP32 inputs need an IEEE dot: both
+    take the FP32 path. BF16/FP16 on the GPU use the tensor cores (products exact, FP32
+    accumulation)."""
+    return interpreting() or x.dtype == torch.float32
+
+
+def philox_seed(device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """One int64 seed on `device` drawn from PyTorch's generator: torch.manual_seed reproduces
+    it, and a CUDA graph records the draw, so replays get fresh noise without a host sync."""
+    return torch.randint(2**31 - 1, (1,), device=device, generator=generator, dtype=torch.int64)
+
+
+@triton.jit
+def abs_bits(x):
+    """|x| as int32 bits of x in FP32: ordered like |x|, with NaN above Inf, so an integer
+    max is an amax that propagates NaN (tl.max on floats would drop it)."""
+    return x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def round_to_bf16(x):
+    """FP32 -> the FP32 value of its BF16 rounding (nearest, ties to even)."""
+    b = x.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def min_keep_nan(x, hi):
+    """min(x, hi) that leaves NaN as NaN (torch.clamp(max=hi) semantics)."""
+    return tl.where(x > hi, hi, x)
+
+
+@triton.jit
+def e4m3_code(b):
+    """Non-negative FP32 (<= 448, or NaN) -> int32 E4M3 code, round to nearest even.
+
+    Normal results round the 23-bit mantissa to 3 bits; below 2^-6 the quantum is 2^-9 and the
+    code is round(b * 2^9), done as an integer shift with an explicit tie rule."""
+    bits = b.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - 960
+    expf = bits >> 23
+    mant = (bits & 0x7FFFFF) | tl.where(expf > 0, 0x800000, 0)
+    shift = tl.maximum(tl.minimum(141 - tl.maximum(expf, 1), 31), 1)
+    q = mant >> shift
+    rem = mant - (q << shift)
+    half = 1 << (shift - 1)
+    q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    code = tl.where(expf < 121, q, normal)
+    return tl.where(b != b, 0x7F, code)
+
+
+@triton.jit
+def e4m3_value(code):
+    """int32 E4M3 code (0..127, non-negative) -> FP32 value; 0x7F is NaN."""
+    normal = ((code + 960) << 20).to(tl.float32, bitcast=True)
+    sub = code.to(tl.float32) * 0.001953125
+    v = tl.where(code < 8, sub, normal)
+    return tl.where(code == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def e4m3_code_signed(x):
+    """FP32 in [-448, 448] (or NaN) -> int32 E4M3 byte with sign, nearest even."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    return e4m3_code(tl.abs(x)) | sign
+
+
+@triton.jit
+def e4m3_byte_value(byte):
+    """int32 E4M3 byte (sign in bit 7) -> FP32 value."""
+    mag = e4m3_value(byte & 0x7F)
+    return with_sign(mag, (byte & 0x80) != 0)
+
+
+@triton.jit
+def with_sign(v, neg):
+    """v with its sign bit set where `neg` (Triton's -x is 0 - x, which loses -0.0)."""
+    bits = v.to(tl.int32, bitcast=True) | (neg.to(tl.int32) << 31)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def exp2_int(e):
+    """2^e as FP32 for int32 e in [-127, 127], from its bits."""
+    bits = tl.where(e >= -126, (tl.maximum(e, -126) + 127) << 23, 0x00400000)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def hadamard_16(v, h_ptr, R: tl.constexpr, C: tl.constexpr, DOT_F32: tl.constexpr):
+    """y = v16 @ H on every run of 16 values along the last dim of the [R, C] tile, then
+    rounded to BF16 (returned as FP32). Products are exact; the FP32 accumulation equals the
+    FP64 reference whenever the partial sums are exact (see docs/KERNELS.md)."""
+    i = tl.arange(0, 16)
+    h = tl.load(h_ptr + i[:, None] * 16 + i[None, :])
+    blocks = tl.reshape(v, [R * C // 16, 16])
+    if DOT_F32:
+        y = tl.dot(blocks.to(tl.float32), h, input_precision="ieee", out_dtype=tl.float32)
+    else:
+        y = tl.dot(blocks, h.to(v.dtype), out_dtype=tl.float32)
+    return round_to_bf16(tl.reshape(y, [R, C]))
+
+
+@triton.jit
+def nvfp4_global(amax):
+    """(S_dec, mult) from the FP32 tensor amax, in the reference's operation order:
+    S_enc = 2688 / amax (one IEEE division), capped at FLT_MAX, 1 when amax == 0 or
+    S_enc == 0; S_dec = 1 / S_enc; mult = S_enc * fl(1/6)."""
+    one = tl.full(amax.shape, 1.0, tl.float32)
+    s_enc = tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax)
+    s_enc = min_keep_nan(s_enc, FLT_MAX)
+    s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+    s_dec = tl.math.div_rn(one, s_enc)
+    mult = s_enc * 0.16666666666666666
+    return s_dec, mult

@@ -1,0 +1,178 @@
+"""MXFP8 quantization kernels: 1x32 rowwise, columnwise (blocks along M, stored transposed),
+or both from one read of x, with optional exact BF16 `_dq` outputs.
+
+Per 32-value block: e = clamp(ceil(log2(block_amax * fl(1/448))), -127, 127) read off the FP32
+bits (exact at powers of two), data = e4m3(clamp(x * 2^-e, +-448)). On the GPU the E4M3 cast
+is the hardware's round-to-nearest-even conversion; in the interpreter (which truncates) the
+same rounding is done on the integer bits. Both are tested against formats/mxfp8.py.
+
+Bytes (BF16 input, N = M*K): one direction reads 2N and writes N + N/32 = 3.03 N; both
+directions 4.06 N; each `_dq` output adds 2N. No global amax: MXFP8 scales are per block.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from blockscale.formats import _checks
+from blockscale.formats.mxfp8 import MXFP8Tensor
+from blockscale.kernels._common import (
+    abs_bits,
+    e4m3_byte_value,
+    e4m3_code_signed,
+    exp2_int,
+    interpreting,
+    min_keep_nan,
+    round_to_bf16,
+)
+
+BLOCK = 32
+
+
+@triton.jit
+def _mx_tile(v, R: tl.constexpr, C: tl.constexpr, HW_FP8: tl.constexpr):
+    """FP32 [R, C], blocks of 32 along C -> (E4M3 bytes uint8 [R, C], E8M0 codes uint8
+    [R, C/32], FP32 dq [R, C])."""
+    NB: tl.constexpr = C // 32
+    vb = tl.reshape(v, [R, NB, 32])
+    block_amax = tl.max(abs_bits(vb), axis=2).to(tl.float32, bitcast=True)
+    p = block_amax * 0.002232142857142857
+    pb = p.to(tl.int32, bitcast=True)
+    expf = pb >> 23
+    # ceil(log2 p) from the bits; p below 2^-126 only matters through the clamp at -127
+    e_norm = expf - 127 + ((pb & 0x7FFFFF) != 0).to(tl.int32)
+    e_sub = tl.where((pb & 0x7FFFFF) > 0x400000, -126, -127)
+    e = tl.where(expf == 0, e_sub, e_norm)
+    e = tl.where(p < float("inf"), e, 0)  # Inf block: NaN scale below, data scaled by 1
+    e = tl.where(p > 0.0, e, -127)  # zero, underflow or NaN
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    finite = block_amax < float("inf")
+    ecode = tl.where(finite, e + 127, 255)
+    w = vb * exp2_int(-e)[:, :, None]
+    w = tl.where(w < -448.0, -448.0, min_keep_nan(w, 448.0))
+    if HW_FP8:
+        byte = w.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        byte = e4m3_code_signed(w)
+    scale = tl.where(finite, exp2_int(e), float("nan"))
+    dq = round_to_bf16(e4m3_byte_value(byte) * scale[:, :, None])
+    return (
+        tl.reshape(byte, [R, C]).to(tl.uint8),
+        ecode.to(tl.uint8),
+        tl.reshape(dq, [R, C]),
+    )
+
+
+@triton.jit
+def _store_mx(
+    byte, ecode, dq, data_ptr, scale_ptr, dq_ptr, r0, c0, n_rows, n_cols,
+    R: tl.constexpr, C: tl.constexpr, DQ: tl.constexpr,
+):  # fmt: skip
+    rows = r0 + tl.arange(0, R)
+    cols = c0 + tl.arange(0, C)
+    m = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    tl.store(data_ptr + rows[:, None] * n_cols + cols[None, :], byte, mask=m)
+    sc = c0 // 32 + tl.arange(0, C // 32)
+    tl.store(
+        scale_ptr + rows[:, None] * (n_cols // 32) + sc[None, :],
+        ecode,
+        mask=(rows < n_rows)[:, None] & (sc < n_cols // 32)[None, :],
+    )
+    if DQ:
+        tl.store(dq_ptr + rows[:, None] * n_cols + cols[None, :], dq.to(tl.bfloat16), mask=m)
+
+
+@triton.jit
+def _mxfp8_quantize_kernel(
+    x_ptr, stride_m, stride_k, M, K,
+    data_ptr, scale_ptr, dq_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
+    ROW: tl.constexpr, COL: tl.constexpr, DQ: tl.constexpr, HW_FP8: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    m0 = tl.program_id(0) * BM
+    k0 = tl.program_id(1) * BK
+    offs_m = m0 + tl.arange(0, BM)
+    offs_k = k0 + tl.arange(0, BK)
+    mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+    x = tl.load(
+        x_ptr + offs_m[:, None] * stride_m + offs_k[None, :] * stride_k, mask=mask, other=0.0
+    ).to(tl.float32)
+    if ROW:
+        byte, ecode, dq = _mx_tile(x, BM, BK, HW_FP8)
+        _store_mx(byte, ecode, dq, data_ptr, scale_ptr, dq_ptr, m0, k0, M, K, BM, BK, DQ)
+    if COL:
+        byte_t, ecode_t, dq_t = _mx_tile(tl.trans(x), BK, BM, HW_FP8)
+        _store_mx(
+            byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr, k0, m0, K, M, BK, BM, DQ
+        )
+
+
+_TILE_M, _TILE_K, _WARPS = 64, 64, 4
+
+
+def _outputs(rows: int, cols: int, device, dq: bool):
+    return (
+        torch.empty(rows, cols, dtype=torch.uint8, device=device),
+        torch.empty(rows, cols // BLOCK, dtype=torch.uint8, device=device),
+        torch.empty(rows if dq else 0, cols if dq else 0, dtype=torch.bfloat16, device=device),
+    )
+
+
+@torch.library.triton_op("blockscale::mxfp8_quantize_2d", mutates_args=())
+def _mxfp8_quantize_2d(
+    x: torch.Tensor, row: bool, col: bool, dq: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> rowwise (E4M3 bytes [M, K], E8M0 bytes [M, K/32], dq [M, K]) and columnwise
+    ([K, M], [K, M/32], [K, M]) outputs; unused ones are empty."""
+    M, K = x.shape
+    dev = x.device
+    data, scale, dq_r = _outputs(M, K, dev, dq) if row else _outputs(0, 0, dev, False)
+    data_t, scale_t, dq_c = _outputs(K, M, dev, dq) if col else _outputs(0, 0, dev, False)
+    if M and K and (row or col):
+        grid = (triton.cdiv(M, _TILE_M), triton.cdiv(K, _TILE_K))
+        torch.library.wrap_triton(_mxfp8_quantize_kernel)[grid](
+            x, x.stride(0), x.stride(1), M, K, data, scale, dq_r, data_t, scale_t, dq_c,
+            ROW=row, COL=col, DQ=dq, HW_FP8=not interpreting(),
+            BM=_TILE_M, BK=_TILE_K, num_warps=_WARPS,
+        )  # fmt: skip
+    return data, scale, dq_r, data_t, scale_t, dq_c
+
+
+def _container(data, scale, shape) -> MXFP8Tensor:
+    lead = shape[:-1]
+    return MXFP8Tensor(
+        data=data.view(torch.float8_e4m3fn).reshape(*lead, shape[-1]),
+        scale=scale.view(torch.float8_e8m0fnu).reshape(*lead, shape[-1] // BLOCK),
+        shape=torch.Size(shape),
+    )
+
+
+def mxfp8_quantize(x: torch.Tensor, transpose: bool = False, return_dq: bool = False):
+    """formats.mxfp8.quantize, fast; with return_dq also the exact BF16 data * 2^e operand."""
+    x2 = _checks.as_2d(x, "MXFP8", False)
+    M, K = x2.shape
+    if transpose:
+        _checks.check_blocks(K, M, "MXFP8", 1, BLOCK)
+        shape = torch.Size((K, M))
+    else:
+        _checks.check_blocks(M, K, "MXFP8", 1, BLOCK)
+        shape = x.shape
+    out = _mxfp8_quantize_2d(x2, not transpose, transpose, return_dq)
+    data, scale, dq = out[3:] if transpose else out[:3]
+    q = _container(data, scale, shape)
+    return (q, dq.reshape(shape)) if return_dq else q
+
+
+def mxfp8_quantize_both(x: torch.Tensor, return_dq: bool = False):
+    """(rowwise, columnwise) MXFP8 copies from one read of x; with return_dq,
+    ((q_row, dq_row), (q_col, dq_col))."""
+    x2 = _checks.as_2d(x, "MXFP8", False)
+    M, K = x2.shape
+    _checks.check_blocks(M, K, "MXFP8", 1, BLOCK)
+    _checks.check_blocks(K, M, "MXFP8", 1, BLOCK)
+    data, scale, dq, data_t, scale_t, dq_t = _mxfp8_quantize_2d(x2, True, True, return_dq)
+    q_row = _container(data, scale, x.shape)
+    q_col = _container(data_t, scale_t, torch.Size((K, M)))
+    if return_dq:
+        return (q_row, dq.reshape(x.shape)), (q_col, dq_t)
+    return q_row, q_col

@@ -1,0 +1,442 @@
+"""NVFP4 quantization kernels: rowwise and columnwise (optionally Hadamard), nearest or
+stochastic, 1x16 or 16x16, from one read of x; optional exact BF16 `_dq` outputs; and the
+dequantize kernel for saved tensors.
+
+One kernel does every direction. A program loads one [BM, BK] tile of x. The rowwise copy
+quantizes the tile along K as it is; the columnwise copy quantizes tl.trans(tile) along M, so
+both read the same registers and x is read once. Work per tile, in NUMERICS.md order:
+block amax (integer max of |x| bits, NaN-propagating) -> E4M3 scale (RNE from bits) ->
+encode multiplier 1 / (scale * S_dec) (IEEE division) -> codes -> packed bytes.
+
+Bytes (the roofline argument, BF16 input [M, K], N = M*K):
+  one direction:        read 2N, write N/2 codes + N/16 scales            = 2.5625 N
+  both directions:      read 2N, write 2 * (N/2 + N/16)                   = 3.125 N
+  each `_dq` output adds 2N written. The global amax is a separate pass (read 2N) unless
+  the caller passes `amax`; see amax.py for the fused rowwise + Hadamard-columnwise amax.
+
+Stochastic rounding draws 8 random bits per value: one Philox call (tl.randint4x, 128 bits)
+per 16-value block, seeded from PyTorch's generator through a device tensor.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from blockscale.formats import _checks
+from blockscale.formats.nvfp4 import BLOCKS, ROUNDINGS, NVFP4Tensor
+from blockscale.kernels._common import (
+    FLT_MAX,
+    abs_bits,
+    dot_in_fp32,
+    e4m3_code,
+    e4m3_value,
+    hadamard_16,
+    hadamard_matrix,
+    min_keep_nan,
+    nvfp4_global,
+    philox_seed,
+    with_sign,
+)
+from blockscale.kernels.amax import amax_fused, amax_of_copy
+
+BLOCK = 16
+
+
+@triton.jit
+def _philox_uniforms(seed, block_offsets, R: tl.constexpr, NB: tl.constexpr):
+    """FP32 uniforms k/256 for an [R, NB, 16] tile: one Philox4x32 draw per 16-value block,
+    8 bits per value."""
+    r0, r1, r2, r3 = tl.randint4x(seed, block_offsets)
+    j = tl.arange(0, 16)[None, None, :]
+    w = tl.where(
+        j < 8,
+        tl.where(j < 4, r0[:, :, None], r1[:, :, None]),
+        tl.where(j < 12, r2[:, :, None], r3[:, :, None]),
+    )
+    byte = (w >> ((j % 4) * 8).to(tl.uint32)) & 0xFF
+    return byte.to(tl.float32) * 0.00390625
+
+
+@triton.jit
+def _e2m1(w, u, SR: tl.constexpr):
+    """Scaled FP32 values -> (int32 codes, FP32 code values), nearest-even or stochastic."""
+    neg = w < 0
+    a = min_keep_nan(tl.abs(w), 6.0)
+    bits = a.to(tl.int32, bitcast=True)
+    big = a >= 1.0
+    if SR:
+        # lo: the grid value at or below a; step: the grid spacing above lo
+        lo_big_bits = bits & -4194304
+        lo_idx = tl.where(big, (bits >> 22) - 252, (a >= 0.5).to(tl.int32))
+        lo = tl.where(big, lo_big_bits.to(tl.float32, bitcast=True), lo_idx.to(tl.float32) * 0.5)
+        inv_step = tl.where(big, ((255 - (bits >> 23)) << 23).to(tl.float32, bitcast=True), 2.0)
+        step = tl.where(big, (((bits >> 23) - 1) << 23).to(tl.float32, bitcast=True), 0.5)
+        up = u < (a - lo) * inv_step
+        idx = lo_idx + up.to(tl.int32)
+        val = tl.where(up, lo + step, lo)
+    else:
+        # a >= 1: round the mantissa to one bit (ties to even) on the integer bits
+        r = (bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22
+        small_idx = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32)
+        idx = tl.where(big, r - 252, small_idx)
+        val = tl.where(big, (r << 22).to(tl.float32, bitcast=True), small_idx.to(tl.float32) * 0.5)
+    code = idx | (neg.to(tl.int32) << 3)
+    return code, with_sign(val, neg)
+
+
+@triton.jit
+def _quantize_tile(
+    v, s_dec, mult, u, R: tl.constexpr, C: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr
+):
+    """An FP32 [R, C] tile, blocks of 16 along C -> (packed uint8 [R, C/2], E4M3 scale codes
+    uint8 [R, C/16], FP32 dq [R, C] = code value * scale)."""
+    NB: tl.constexpr = C // 16
+    vb = tl.reshape(v, [R, NB, 16])
+    blk = tl.max(abs_bits(vb), axis=2)
+    if TWO_D:
+        tile = tl.max(tl.reshape(blk, [R // 16, 16, NB]), axis=1)
+        blk = tl.reshape(tl.broadcast_to(tile[:, None, :], [R // 16, 16, NB]), [R, NB])
+    block_amax = blk.to(tl.float32, bitcast=True)
+    b = min_keep_nan(block_amax * mult, 448.0)
+    scode = e4m3_code(b)
+    sval = e4m3_value(scode)
+    enc = min_keep_nan(tl.math.div_rn(tl.full([R, NB], 1.0, tl.float32), sval * s_dec), FLT_MAX)
+    code, val = _e2m1(vb * enc[:, :, None], u, SR)
+    dq = tl.reshape(val * sval[:, :, None], [R, C])
+    lo, hi = tl.split(tl.reshape(code, [R, C // 2, 2]))
+    packed = (lo | (hi << 4)).to(tl.uint8)
+    return packed, scode.to(tl.uint8), dq
+
+
+@triton.jit
+def _store_quantized(
+    packed, scode, dq, data_ptr, scale_ptr, dq_ptr, r0, c0, n_rows, n_cols,
+    R: tl.constexpr, C: tl.constexpr, DQ: tl.constexpr,
+):  # fmt: skip
+    """Store one quantized [R, C] tile at (r0, c0) of an [n_rows, n_cols] logical tensor."""
+    rows = r0 + tl.arange(0, R)
+    rmask = rows < n_rows
+    half = c0 // 2 + tl.arange(0, C // 2)
+    tl.store(
+        data_ptr + rows[:, None] * (n_cols // 2) + half[None, :],
+        packed,
+        mask=rmask[:, None] & (half < n_cols // 2)[None, :],
+    )
+    sc = c0 // 16 + tl.arange(0, C // 16)
+    tl.store(
+        scale_ptr + rows[:, None] * (n_cols // 16) + sc[None, :],
+        scode,
+        mask=rmask[:, None] & (sc < n_cols // 16)[None, :],
+    )
+    if DQ:
+        cols = c0 + tl.arange(0, C)
+        tl.store(
+            dq_ptr + rows[:, None] * n_cols + cols[None, :],
+            dq.to(tl.bfloat16),
+            mask=rmask[:, None] & (cols < n_cols)[None, :],
+        )
+
+
+@triton.jit
+def _uniforms(
+    seed_ptr, rand_ptr, r0, c0, n_rows, n_cols, base,
+    R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr, RAND_GIVEN: tl.constexpr,
+):  # fmt: skip
+    """Uniforms for an [R, C] output tile: given as a tensor (tests), or from Philox with one
+    counter per 16-value block (`base` keeps the rowwise and columnwise copies apart)."""
+    if SR:
+        if RAND_GIVEN:
+            rows = r0 + tl.arange(0, R)
+            cols = c0 + tl.arange(0, C)
+            m = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+            u = tl.load(rand_ptr + rows[:, None] * n_cols + cols[None, :], mask=m, other=0.0)
+            return tl.reshape(u, [R, C // 16, 16])
+        else:
+            rows = r0 + tl.arange(0, R)
+            blocks = c0 // 16 + tl.arange(0, C // 16)
+            offs = base + rows[:, None] * (n_cols // 16) + blocks[None, :]
+            return _philox_uniforms(tl.load(seed_ptr), offs, R, C // 16)
+    else:
+        return 0.0
+
+
+@triton.jit
+def _nvfp4_quantize_kernel(
+    x_ptr, stride_m, stride_k, M, K,
+    amax_row_ptr, amax_col_ptr, h_ptr, seed_ptr, rand_row_ptr, rand_col_ptr,
+    data_ptr, scale_ptr, dq_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
+    ROW: tl.constexpr, COL: tl.constexpr, ROW_2D: tl.constexpr, COL_2D: tl.constexpr,
+    ROW_SR: tl.constexpr, COL_SR: tl.constexpr, COL_HAD: tl.constexpr,
+    RAND_GIVEN: tl.constexpr, DQ: tl.constexpr, DOT_F32: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    m0 = tl.program_id(0) * BM
+    k0 = tl.program_id(1) * BK
+    offs_m = m0 + tl.arange(0, BM)
+    offs_k = k0 + tl.arange(0, BK)
+    mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+    x = tl.load(
+        x_ptr + offs_m[:, None] * stride_m + offs_k[None, :] * stride_k, mask=mask, other=0.0
+    )
+    if ROW:
+        s_dec, mult = nvfp4_global(tl.load(amax_row_ptr))
+        u = _uniforms(seed_ptr, rand_row_ptr, m0, k0, M, K, 0, BM, BK, ROW_SR, RAND_GIVEN)
+        packed, scode, dq = _quantize_tile(x.to(tl.float32), s_dec, mult, u, BM, BK, ROW_2D, ROW_SR)
+        _store_quantized(packed, scode, dq, data_ptr, scale_ptr, dq_ptr, m0, k0, M, K, BM, BK, DQ)
+    if COL:
+        xt = tl.trans(x)
+        if COL_HAD:
+            vt = hadamard_16(xt, h_ptr, BK, BM, DOT_F32)
+        else:
+            vt = xt.to(tl.float32)
+        s_dec_t, mult_t = nvfp4_global(tl.load(amax_col_ptr))
+        # Philox counters past the rowwise ones, so the two copies draw independent bits
+        base = ((M + 15) // 16) * 16 * (K // 16)
+        u_t = _uniforms(seed_ptr, rand_col_ptr, k0, m0, K, M, base, BK, BM, COL_SR, RAND_GIVEN)
+        packed_t, scode_t, dq_t = _quantize_tile(vt, s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR)
+        _store_quantized(
+            packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr, k0, m0, K, M, BK, BM, DQ
+        )
+
+
+@triton.jit
+def _nvfp4_dequantize_kernel(
+    data_ptr, scale_ptr, out_ptr, R, C, BR: tl.constexpr, BC: tl.constexpr
+):
+    """Packed codes + E4M3 scales -> BF16 code * scale (the `_dq` operand)."""
+    r0 = tl.program_id(0) * BR
+    c0 = tl.program_id(1) * BC
+    rows = r0 + tl.arange(0, BR)
+    half = c0 // 2 + tl.arange(0, BC // 2)
+    rmask = rows < R
+    packed = tl.load(
+        data_ptr + rows[:, None] * (C // 2) + half[None, :],
+        mask=rmask[:, None] & (half < C // 2)[None, :],
+        other=0,
+    ).to(tl.int32)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BR, BC])
+    sc = c0 // 16 + tl.arange(0, BC // 16)
+    scode = tl.load(
+        scale_ptr + rows[:, None] * (C // 16) + sc[None, :],
+        mask=rmask[:, None] & (sc < C // 16)[None, :],
+        other=0,
+    ).to(tl.int32)
+    sval = e4m3_value(scode & 0x7F)
+    idx = codes & 7
+    big = idx >= 2
+    mag = tl.where(big, ((idx + 252) << 22).to(tl.float32, bitcast=True), idx.to(tl.float32) * 0.5)
+    val = with_sign(mag, (codes & 8) != 0)
+    dq = tl.reshape(tl.reshape(val, [BR, BC // 16, 16]) * sval[:, :, None], [BR, BC])
+    cols = c0 + tl.arange(0, BC)
+    tl.store(
+        out_ptr + rows[:, None] * C + cols[None, :],
+        dq.to(tl.bfloat16),
+        mask=rmask[:, None] & (cols < C)[None, :],
+    )
+
+
+# ----------------------------------------------------------------------------- launchers
+
+_TILE_M, _TILE_K, _WARPS = 64, 64, 4
+
+
+def _empty_like_spec(rows: int, cols: int, device, dq: bool):
+    data = torch.empty(rows, cols // 2, dtype=torch.uint8, device=device)
+    scale = torch.empty(rows, cols // BLOCK, dtype=torch.uint8, device=device)
+    dq_t = torch.empty(rows if dq else 0, cols if dq else 0, dtype=torch.bfloat16, device=device)
+    return data, scale, dq_t
+
+
+@torch.library.triton_op("blockscale::nvfp4_quantize_2d", mutates_args=())
+def _nvfp4_quantize_2d(
+    x: torch.Tensor,
+    amax_row: torch.Tensor,
+    amax_col: torch.Tensor,
+    seed: torch.Tensor | None,
+    rand_row: torch.Tensor | None,
+    rand_col: torch.Tensor | None,
+    row: bool,
+    col: bool,
+    row_2d: bool,
+    col_2d: bool,
+    row_sr: bool,
+    col_sr: bool,
+    col_hadamard: bool,
+    dq: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> rowwise (data [M, K/2], scale [M, K/16], dq [M, K]) and columnwise
+    (data_t [K, M/2], scale_t [K, M/16], dq_t [K, M]) outputs; unused ones are empty.
+    Scales are raw E4M3 bytes (uint8). amax_* are FP32 device scalars."""
+    M, K = x.shape
+    dev = x.device
+    if row:
+        data, scale, dq_r = _empty_like_spec(M, K, dev, dq)
+    else:
+        data, scale, dq_r = _empty_like_spec(0, 0, dev, False)
+    if col:
+        data_t, scale_t, dq_c = _empty_like_spec(K, M, dev, dq)
+    else:
+        data_t, scale_t, dq_c = _empty_like_spec(0, 0, dev, False)
+    if M == 0 or K == 0 or not (row or col):
+        return data, scale, dq_r, data_t, scale_t, dq_c
+    rand_given = rand_row is not None or rand_col is not None
+    dummy = amax_row
+    grid = (triton.cdiv(M, _TILE_M), triton.cdiv(K, _TILE_K))
+    torch.library.wrap_triton(_nvfp4_quantize_kernel)[grid](
+        x, x.stride(0), x.stride(1), M, K,
+        amax_row, amax_col, hadamard_matrix(dev),
+        seed if seed is not None else dummy,
+        rand_row if rand_row is not None else dummy,
+        rand_col if rand_col is not None else dummy,
+        data, scale, dq_r, data_t, scale_t, dq_c,
+        ROW=row, COL=col, ROW_2D=row_2d, COL_2D=col_2d, ROW_SR=row_sr, COL_SR=col_sr,
+        COL_HAD=col_hadamard, RAND_GIVEN=rand_given, DQ=dq, DOT_F32=dot_in_fp32(x),
+        BM=_TILE_M, BK=_TILE_K, num_warps=_WARPS,
+    )  # fmt: skip
+    return data, scale, dq_r, data_t, scale_t, dq_c
+
+
+@torch.library.triton_op("blockscale::nvfp4_dequantize_2d", mutates_args=())
+def _nvfp4_dequantize_2d(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """data uint8 [R, C/2], scale uint8 (E4M3 bytes) [R, C/16] -> BF16 [R, C]."""
+    R, half = data.shape
+    C = half * 2
+    out = torch.empty(R, C, dtype=torch.bfloat16, device=data.device)
+    if R and C:
+        grid = (triton.cdiv(R, 32), triton.cdiv(C, 128))
+        torch.library.wrap_triton(_nvfp4_dequantize_kernel)[grid](
+            data, scale, out, R, C, BR=32, BC=128, num_warps=4
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------- Python API
+
+
+def _check(block: str, rounding: str) -> None:
+    if block not in BLOCKS:
+        raise ValueError(f"block={block!r} is not one of {BLOCKS}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding={rounding!r} is not one of {ROUNDINGS}")
+
+
+def _as_amax(amax: torch.Tensor, device) -> torch.Tensor:
+    return amax.detach().to(device=device, dtype=torch.float32).reshape(1)
+
+
+def _container(data, scale, amax, shape, block, hadamard) -> NVFP4Tensor:
+    lead = shape[:-1]
+    return NVFP4Tensor(
+        data=data.reshape(*lead, shape[-1] // 2),
+        scale=scale.view(torch.float8_e4m3fn).reshape(*lead, shape[-1] // BLOCK),
+        amax=amax.reshape(()),
+        shape=torch.Size(shape),
+        block=block,
+        hadamard=hadamard,
+    )
+
+
+def nvfp4_quantize(
+    x: torch.Tensor,
+    block: str = "1x16",
+    rounding: str = "nearest",
+    hadamard: bool = False,
+    transpose: bool = False,
+    generator: torch.Generator | None = None,
+    amax: torch.Tensor | None = None,
+    return_dq: bool = False,
+    rand: torch.Tensor | None = None,
+):
+    """formats.nvfp4.quantize, fast. With return_dq, also the exact BF16 code * scale operand
+    (same layout as the container's .dq()). `rand` (tests only): FP32 uniforms shaped like the
+    quantized [rows, cols] tensor, used instead of Philox for stochastic rounding."""
+    _check(block, rounding)
+    x2 = _checks.as_2d(x, "NVFP4", False)
+    M, K = x2.shape
+    if transpose:
+        _checks.check_blocks(K, M, "NVFP4", BLOCK if block == "16x16" else 1, BLOCK)
+        shape = torch.Size((K, M))
+    else:
+        _checks.check_blocks(M, K, "NVFP4", BLOCK if block == "16x16" else 1, BLOCK)
+        shape = x.shape
+    # The kernel applies the Hadamard transform only on its columnwise path, so a rowwise
+    # Hadamard copy is the columnwise copy of x's transpose view.
+    src, col = (x2.t(), True) if (hadamard and not transpose) else (x2, transpose)
+    if amax is None:
+        amax = amax_of_copy(src, hadamard_t=hadamard)
+    amax = _as_amax(amax, x.device)
+    sr = rounding == "stochastic"
+    seed = philox_seed(x.device, generator) if sr and rand is None else None
+    rand2 = None if rand is None else rand.reshape(-1, shape[-1]).float().contiguous()
+    out = _nvfp4_quantize_2d(
+        src, amax, amax, seed,
+        None if col else rand2, rand2 if col else None,
+        row=not col, col=col, row_2d=block == "16x16", col_2d=block == "16x16",
+        row_sr=sr, col_sr=sr, col_hadamard=hadamard, dq=return_dq,
+    )  # fmt: skip
+    data, scale, dq = out[3:] if col else out[:3]
+    q = _container(data, scale, amax, shape, block, hadamard)
+    if return_dq:
+        return q, dq.reshape(shape)
+    return q
+
+
+def nvfp4_quantize_both(
+    x: torch.Tensor,
+    rowwise: dict | None = None,
+    columnwise: dict | None = None,
+    return_dq: bool = False,
+    generator: torch.Generator | None = None,
+):
+    """The rowwise copy of x and the columnwise copy (the quantization of x.T, optionally
+    Hadamard) from one read of x. Each dict takes block, rounding, amax (and, for the
+    columnwise copy, hadamard). Returns (q_row, q_col), or ((q_row, dq_row), (q_col, dq_col))
+    with return_dq. The global amaxes, when not given, come from one fused amax pass."""
+    r = {"block": "1x16", "rounding": "nearest", "amax": None, **(rowwise or {})}
+    c = {
+        "block": "1x16",
+        "rounding": "nearest",
+        "hadamard": False,
+        "amax": None,
+        **(columnwise or {}),
+    }
+    if r.pop("hadamard", False):
+        raise ValueError("the rowwise copy of nvfp4_quantize_both takes no Hadamard transform")
+    unknown = (set(r) - {"block", "rounding", "amax"}) | (
+        set(c) - {"block", "rounding", "hadamard", "amax"}
+    )
+    if unknown:
+        raise ValueError(f"unknown options {sorted(unknown)}")
+    _check(r["block"], r["rounding"])
+    _check(c["block"], c["rounding"])
+    x2 = _checks.as_2d(x, "NVFP4", False)
+    M, K = x2.shape
+    _checks.check_blocks(M, K, "NVFP4", BLOCK if r["block"] == "16x16" else 1, BLOCK)
+    _checks.check_blocks(K, M, "NVFP4", BLOCK if c["block"] == "16x16" else 1, BLOCK)
+    amax_r, amax_c = r["amax"], c["amax"]
+    if amax_r is None or amax_c is None:
+        plain, had = amax_fused(x2, hadamard_t=c["hadamard"])
+        amax_r = plain if amax_r is None else amax_r
+        amax_c = (had if c["hadamard"] else plain) if amax_c is None else amax_c
+    amax_r, amax_c = _as_amax(amax_r, x.device), _as_amax(amax_c, x.device)
+    row_sr, col_sr = r["rounding"] == "stochastic", c["rounding"] == "stochastic"
+    seed = philox_seed(x.device, generator) if row_sr or col_sr else None
+    data, scale, dq, data_t, scale_t, dq_t = _nvfp4_quantize_2d(
+        x2, amax_r, amax_c, seed, None, None,
+        row=True, col=True, row_2d=r["block"] == "16x16", col_2d=c["block"] == "16x16",
+        row_sr=row_sr, col_sr=col_sr, col_hadamard=c["hadamard"], dq=return_dq,
+    )  # fmt: skip
+    q_row = _container(data, scale, amax_r, x.shape, r["block"], False)
+    q_col = _container(data_t, scale_t, amax_c, torch.Size((K, M)), c["block"], c["hadamard"])
+    if return_dq:
+        return (q_row, dq.reshape(x.shape)), (q_col, dq_t)
+    return q_row, q_col
+
+
+def nvfp4_dequantize_dq(q: NVFP4Tensor) -> torch.Tensor:
+    """The BF16 `_dq` operand (code * block scale, no global scale) of a saved NVFP4Tensor;
+    equals q.dq()."""
+    cols = q.shape[-1]
+    data = q.data.reshape(-1, cols // 2)
+    scale = q.scale.view(torch.uint8).reshape(-1, cols // BLOCK)
+    return _nvfp4_dequantize_2d(data, scale).reshape(q.shape)
