@@ -18,7 +18,10 @@ exact up to 2^-53 relative, far below u).
 """
 
 import importlib
+import importlib.util
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -353,6 +356,20 @@ def test_quantize_operand_bf16_passthrough():
     hp = quantize_operand(x, recipes.OperandConfig(), transpose=True)
     assert isinstance(hp, HighPrecisionTensor) and hp.shape == (8, 15)
     assert torch.equal(hp.dequantize(), x.reshape(15, 8).t())
+
+
+def test_bench_linear_quick_smoke(tmp_path):
+    """The benchmark script runs end to end on the CPU and writes its JSON record."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_linear.py"
+    spec = importlib.util.spec_from_file_location("bench_linear", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    argv = ["--quick", "--shapes", "64,64,64", "--reps", "2", "--warmup", "0", "--json", str(out)]
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["recipe"] for r in rows] == ["bf16", "nvfp4", "nvfp4_fwd_mxfp8_bwd", "mxfp8"]
+    assert rows[0]["time_vs_bf16"] == 1.0 and all(r["ms"] > 0 for r in rows)
 
 
 # --------------------------------------------------------------------------------- GPU

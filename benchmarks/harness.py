@@ -1,0 +1,224 @@
+"""One benchmark harness for every script in benchmarks/ (see ../docs and BENCHMARKS.md).
+
+What a script gets from here:
+
+- `banner()`: device, compute capability, memory, L2 size, torch / CUDA / Triton versions and
+  the date, printed and returned for the JSON record.
+- `time_fn(fn, inputs)`: the median (and 20th/80th percentiles) of many timed calls after a
+  warm-up. On CUDA each call is timed with its own pair of CUDA events; on the CPU with
+  `time.perf_counter`. `inputs` is a list of argument tuples that the calls cycle through:
+  `rotating_inputs` builds enough copies that one cycle touches more than twice the L2 cache,
+  so no call finds its operands already cached.
+- `peak_memory(fn)`: the peak bytes allocated during one call above what was allocated before
+  (CUDA caching allocator statistics; None on the CPU).
+- Ceilings measured in the same run, so ratios compare like with like: `copy_bandwidth()`
+  (bytes read + written per second of a device-to-device copy) and `gemm_tflops(m, n, k)`
+  (a BF16 GEMM of that shape).
+- `print_table(rows, columns)` and `write_json(path, record)`; `add_common_args(parser)` adds
+  the flags every script shares (`--json`, `--quick`, `--warmup`, `--reps`, `--device`).
+
+Scripts report ratios measured side by side (ours / BF16, achieved / ceiling), never absolute
+numbers alone: the absolute numbers move from machine to machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_L2_BYTES = 50 * 2**20  # H100; used when the device does not report its L2 size
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    reps: int
+
+
+def pick_device(name: str | None = None) -> torch.device:
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def l2_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return (
+            int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0))
+            or DEFAULT_L2_BYTES
+        )
+    return DEFAULT_L2_BYTES
+
+
+def banner(device: torch.device) -> dict[str, Any]:
+    """Print and return what a result needs to be reproduced: device and software versions."""
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": str(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(
+            name=props.name,
+            capability=f"{props.major}.{props.minor}",
+            memory_gib=round(props.total_memory / 2**30, 1),
+            l2_mib=round(l2_bytes(device) / 2**20, 1),
+            sms=props.multi_processor_count,
+        )
+    else:
+        info.update(
+            name=platform.processor() or platform.machine(), threads=torch.get_num_threads()
+        )
+    print(" | ".join(f"{k}={v}" for k, v in info.items() if v is not None))
+    return info
+
+
+def rotating_inputs(
+    make: Callable[[], tuple[Any, ...]], bytes_per_set: int, device: torch.device, max_sets: int = 8
+) -> list[tuple[Any, ...]]:
+    """Enough input sets (from `make`) that one pass over them exceeds twice the L2 cache."""
+    sets = min(max_sets, max(1, math.ceil(2 * l2_bytes(device) / max(1, bytes_per_set))))
+    return [make() for _ in range(sets)]
+
+
+def time_fn(
+    fn: Callable[..., Any],
+    inputs: Sequence[tuple[Any, ...]] = ((),),
+    warmup: int = 5,
+    reps: int = 50,
+    device: torch.device | None = None,
+) -> Timing:
+    """Median time of `fn(*inputs[i % len(inputs)])` over `reps` calls, after `warmup` calls."""
+    device = device or pick_device()
+    for i in range(warmup):
+        fn(*inputs[i % len(inputs)])
+    synchronize(device)
+    times: list[float] = []
+    if device.type == "cuda":
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(reps)
+        ]
+        for i, (start, end) in enumerate(events):
+            args = inputs[i % len(inputs)]
+            start.record()
+            fn(*args)
+            end.record()
+        synchronize(device)
+        times = [start.elapsed_time(end) for start, end in events]
+    else:
+        for i in range(reps):
+            args = inputs[i % len(inputs)]
+            t0 = time.perf_counter()
+            fn(*args)
+            times.append((time.perf_counter() - t0) * 1e3)
+    q = statistics.quantiles(times, n=5) if len(times) >= 2 else [times[0]] * 4
+    return Timing(statistics.median(times), q[0], q[3], reps)
+
+
+def peak_memory(fn: Callable[[], Any], device: torch.device) -> int | None:
+    """Peak bytes allocated during one `fn()` above the bytes allocated before it (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2**30, reps: int = 20) -> float:
+    """Device-to-device copy ceiling, bytes read + written per second."""
+    n = nbytes // 2
+    src = [torch.randn(n, device=device, dtype=torch.bfloat16) for _ in range(2)]
+    dst = torch.empty_like(src[0])
+    timing = time_fn(
+        lambda s: dst.copy_(s), [(s,) for s in src], warmup=3, reps=reps, device=device
+    )
+    return 2 * nbytes / (timing.median_ms * 1e-3)
+
+
+def gemm_tflops(m: int, n: int, k: int, device: torch.device, reps: int = 20) -> float:
+    """BF16 GEMM ceiling for out[m, n] = a[m, k] @ b[n, k].T, in TFLOP/s."""
+    per_set = 2 * (m * k + n * k + m * n)
+    sets = rotating_inputs(
+        lambda: (
+            torch.randn(m, k, device=device, dtype=torch.bfloat16),
+            torch.randn(n, k, device=device, dtype=torch.bfloat16),
+        ),
+        per_set,
+        device,
+        max_sets=4,
+    )
+    timing = time_fn(lambda a, b: a @ b.t(), sets, warmup=3, reps=reps, device=device)
+    return 2 * m * n * k / (timing.median_ms * 1e-3) / 1e12
+
+
+def fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
+    """A fixed-width table of `columns` from `rows` (markdown-compatible)."""
+    cells = [[fmt(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    line = lambda vals: "| " + " | ".join(v.rjust(w) for v, w in zip(vals, widths)) + " |"
+    print(line(list(columns)))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in cells:
+        print(line(r))
+
+
+def write_json(path: str | Path, record: dict[str, Any]) -> None:
+    def default(obj: Any) -> Any:
+        if isinstance(obj, Timing):
+            return asdict(obj)
+        return str(obj)
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(record, indent=2, default=default) + "\n")
+    print(f"wrote {path}")
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny shapes, few reps (CPU smoke test)"
+    )
+    parser.add_argument("--warmup", type=int, default=None, help="untimed calls first")
+    parser.add_argument("--reps", type=int, default=None, help="timed calls (median reported)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    return parser
