@@ -493,3 +493,9 @@ def test_stochastic_exact_values_do_not_move():
     for seed in range(3):
         q = nvfp4.quantize(x, rounding="stochastic", generator=torch.Generator().manual_seed(seed))
         exact(q.data, nearest.data)
+
+
+def test_transpose_refuses_hadamard_copy():
+    q = nvfp4.quantize(torch.randn(32, 32), block="16x16", hadamard=True)
+    with pytest.raises(ValueError, match="Hadamard"):
+        q.t()

@@ -73,12 +73,16 @@ class NVFP4Tensor:
                 f"only 2-D 16x16 tensors transpose exactly (block={self.block}, "
                 f"dims={self.data.dim()}); requantize with transpose=True instead"
             )
+        if self.hadamard:
+            # The transform ran along the rows; after a transpose it would run along the
+            # columns, which no GEMM operand of ours expects.
+            raise ValueError("a Hadamard-transformed tensor has no exact transpose")
         rows, cols = self.shape
         codes_t = self.codes().t()
         tiles = self.scale[::BLOCK]  # [rows/16, cols/16]: one scale per tile
         scale_t = tiles.t().contiguous().repeat_interleave(BLOCK, dim=0)
         return NVFP4Tensor(
-            e2m1.pack(codes_t), scale_t, self.amax, torch.Size((cols, rows)), "16x16", self.hadamard
+            e2m1.pack(codes_t), scale_t, self.amax, torch.Size((cols, rows)), "16x16"
         )
 
 
