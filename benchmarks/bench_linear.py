@@ -90,7 +90,7 @@ def bench_shape(
         step = make_step(layer, fn)
         timing = harness.time_fn(step, inputs, warmup=warmup, reps=reps, device=device)
         peak = harness.peak_memory(lambda step=step: step(*inputs[0]), device)
-        backend = resolve_backend(recipe.backend, device).value if recipe.quantized else "cublas"
+        backend = resolve_backend(recipe.backend, device).value if recipe.quantized else "F.linear"
         rows.append(
             {
                 "shape": f"{m}x{k}x{n}",
@@ -105,6 +105,8 @@ def bench_shape(
                 "peak_mib": None if peak is None else peak / 2**20,
             }
         )
+        # Progress, so a run cut short still shows what it measured.
+        print(f"  {rows[-1]['shape']} {rows[-1]['recipe']}: {timing.median_ms:.3f} ms", flush=True)
     base = next(r for r in rows if r["recipe"] == "bf16")
     for r in rows:
         r["time_vs_bf16"] = r["ms"] / base["ms"]

@@ -184,7 +184,9 @@ def check_against_reference(recipe, lead, k, n, device, seed=1234):
 
 
 @pytest.mark.parametrize(("name", "switches"), VARIANTS)
-@pytest.mark.parametrize("lead", [(2, 21), (64,), (1,)], ids=["3d-padded-tokens", "2d", "one-token"])
+@pytest.mark.parametrize(
+    "lead", [(2, 21), (64,), (1,)], ids=["3d-padded-tokens", "2d", "one-token"]
+)
 def test_matches_step_by_step_reference(name, switches, lead, monkeypatch):
     recipe = recipes.get(name, **switches)
     recorder = Recorder(monkeypatch)
@@ -414,6 +416,17 @@ def test_gpu_cuda_graph_replays_draw_fresh_noise():
     first = static["codes"].clone()
     graph.replay()
     assert not torch.equal(first, static["codes"])
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_compiled_cuda_graph_replays_draw_fresh_noise():
+    # mode="reduce-overhead" replays a captured CUDA graph on every call after warm-up.
+    cfg = recipes.get("nvfp4").grad_input.grad_output
+    quantize = torch.compile(lambda t: quantize_operand(t, cfg).data, mode="reduce-overhead")
+    x = torch.randn(256, 256, device="cuda")
+    codes = [quantize(x).clone() for _ in range(4)]
+    assert not torch.equal(codes[2], codes[3])
 
 
 @pytest.mark.gpu
