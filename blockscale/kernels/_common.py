@@ -71,6 +71,13 @@ def round_to_bf16(x):
 
 
 @triton.jit
+def bf16_bits(x):
+    """int16 bit pattern of an FP32 value already on the BF16 grid (kernels store `_dq`
+    through an int16 view: the interpreter's BF16 cast mangles subnormals)."""
+    return (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+
+
+@triton.jit
 def min_keep_nan(x, hi):
     """min(x, hi) that leaves NaN as NaN (torch.clamp(max=hi) semantics)."""
     return tl.where(x > hi, hi, x)

@@ -22,8 +22,9 @@ from blockscale.kernels._common import (
     hadamard_matrix,
 )
 
-# Each program reduces TILES tiles in registers, then does one atomic per result.
-_TILE_M, _TILE_K, _WARPS, _TILES = 64, 64, 4, 8
+# (BM, BK, num_warps, tiles per program) for the plain and the Hadamard amax: each program
+# reduces its tiles in registers, then does one atomic per result.
+TILES = {"plain": (64, 64, 4, 8), "hadamard": (64, 64, 4, 8)}
 
 
 @triton.jit
@@ -59,12 +60,13 @@ def _amax_2d(x: torch.Tensor, plain: bool, hadamard_t: bool) -> torch.Tensor:
     M, K = x.shape
     out = torch.zeros(2, dtype=torch.int32, device=x.device)
     if M and K:
-        n_k = triton.cdiv(K, _TILE_K)
-        n_tiles = triton.cdiv(M, _TILE_M) * n_k
-        torch.library.wrap_triton(_amax_kernel)[(triton.cdiv(n_tiles, _TILES),)](
+        bm, bk, warps, per_program = TILES["hadamard" if hadamard_t else "plain"]
+        n_k = triton.cdiv(K, bk)
+        n_tiles = triton.cdiv(M, bm) * n_k
+        torch.library.wrap_triton(_amax_kernel)[(triton.cdiv(n_tiles, per_program),)](
             x, x.stride(0), x.stride(1), M, K, hadamard_matrix(x.device), out, n_k, n_tiles,
             PLAIN=plain, HAD_T=hadamard_t, DOT_F32=dot_in_fp32(x),
-            BM=_TILE_M, BK=_TILE_K, TILES=_TILES, num_warps=_WARPS,
+            BM=bm, BK=bk, TILES=per_program, num_warps=warps,
         )  # fmt: skip
     return out.view(torch.float32)
 

@@ -18,6 +18,7 @@ from blockscale.formats import _checks
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.kernels._common import (
     abs_bits,
+    bf16_bits,
     e4m3_byte_value,
     e4m3_code_signed,
     exp2_int,
@@ -79,7 +80,7 @@ def _store_mx(
         mask=(rows < n_rows)[:, None] & (sc < n_cols // 32)[None, :],
     )
     if DQ:
-        tl.store(dq_ptr + rows[:, None] * n_cols + cols[None, :], dq.to(tl.bfloat16), mask=m)
+        tl.store(dq_ptr + rows[:, None] * n_cols + cols[None, :], bf16_bits(dq), mask=m)
 
 
 @triton.jit
@@ -107,7 +108,8 @@ def _mxfp8_quantize_kernel(
         )
 
 
-_TILE_M, _TILE_K, _WARPS = 64, 64, 4
+# (BM, BK, num_warps) per kind of launch (docs/KERNELS.md); the benchmark may sweep these.
+TILES = {"row": (64, 64, 4), "col": (64, 64, 4), "both": (64, 64, 4)}
 
 
 def _outputs(rows: int, cols: int, device, dq: bool):
@@ -129,11 +131,13 @@ def _mxfp8_quantize_2d(
     data, scale, dq_r = _outputs(M, K, dev, dq) if row else _outputs(0, 0, dev, False)
     data_t, scale_t, dq_c = _outputs(K, M, dev, dq) if col else _outputs(0, 0, dev, False)
     if M and K and (row or col):
-        grid = (triton.cdiv(M, _TILE_M), triton.cdiv(K, _TILE_K))
+        bm, bk, warps = TILES["both" if row and col else ("col" if col else "row")]
+        grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
         torch.library.wrap_triton(_mxfp8_quantize_kernel)[grid](
-            x, x.stride(0), x.stride(1), M, K, data, scale, dq_r, data_t, scale_t, dq_c,
+            x, x.stride(0), x.stride(1), M, K, data, scale, dq_r.view(torch.int16), data_t, scale_t,
+            dq_c.view(torch.int16),
             ROW=row, COL=col, DQ=dq, HW_FP8=not interpreting(),
-            BM=_TILE_M, BK=_TILE_K, num_warps=_WARPS,
+            BM=bm, BK=bk, num_warps=warps,
         )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c
 

@@ -27,7 +27,9 @@ from blockscale.formats.nvfp4 import BLOCKS, ROUNDINGS, NVFP4Tensor
 from blockscale.kernels._common import (
     FLT_MAX,
     abs_bits,
+    bf16_bits,
     dot_in_fp32,
+    e4m3_byte_value,
     e4m3_code,
     e4m3_value,
     hadamard_16,
@@ -132,7 +134,7 @@ def _store_quantized(
         cols = c0 + tl.arange(0, C)
         tl.store(
             dq_ptr + rows[:, None] * n_cols + cols[None, :],
-            dq.to(tl.bfloat16),
+            bf16_bits(dq),
             mask=rmask[:, None] & (cols < n_cols)[None, :],
         )
 
@@ -221,7 +223,7 @@ def _nvfp4_dequantize_kernel(
         mask=rmask[:, None] & (sc < C // 16)[None, :],
         other=0,
     ).to(tl.int32)
-    sval = e4m3_value(scode & 0x7F)
+    sval = e4m3_byte_value(scode)
     idx = codes & 7
     big = idx >= 2
     mag = tl.where(big, ((idx + 252) << 22).to(tl.float32, bitcast=True), idx.to(tl.float32) * 0.5)
@@ -230,14 +232,16 @@ def _nvfp4_dequantize_kernel(
     cols = c0 + tl.arange(0, BC)
     tl.store(
         out_ptr + rows[:, None] * C + cols[None, :],
-        dq.to(tl.bfloat16),
+        bf16_bits(dq),
         mask=rmask[:, None] & (cols < C)[None, :],
     )
 
 
 # ----------------------------------------------------------------------------- launchers
 
-_TILE_M, _TILE_K, _WARPS = 64, 64, 4
+# (BM, BK, num_warps) per kind of launch; measured on an H100 (docs/KERNELS.md). The
+# benchmark may override these to sweep tile shapes.
+TILES = {"row": (64, 64, 4), "col": (64, 64, 4), "both": (64, 64, 4)}
 
 
 def _empty_like_spec(rows: int, cols: int, device, dq: bool):
@@ -281,17 +285,18 @@ def _nvfp4_quantize_2d(
         return data, scale, dq_r, data_t, scale_t, dq_c
     rand_given = rand_row is not None or rand_col is not None
     dummy = amax_row
-    grid = (triton.cdiv(M, _TILE_M), triton.cdiv(K, _TILE_K))
+    bm, bk, warps = TILES["both" if row and col else ("col" if col else "row")]
+    grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
     torch.library.wrap_triton(_nvfp4_quantize_kernel)[grid](
         x, x.stride(0), x.stride(1), M, K,
         amax_row, amax_col, hadamard_matrix(dev),
         seed if seed is not None else dummy,
         rand_row if rand_row is not None else dummy,
         rand_col if rand_col is not None else dummy,
-        data, scale, dq_r, data_t, scale_t, dq_c,
+        data, scale, dq_r.view(torch.int16), data_t, scale_t, dq_c.view(torch.int16),
         ROW=row, COL=col, ROW_2D=row_2d, COL_2D=col_2d, ROW_SR=row_sr, COL_SR=col_sr,
         COL_HAD=col_hadamard, RAND_GIVEN=rand_given, DQ=dq, DOT_F32=dot_in_fp32(x),
-        BM=_TILE_M, BK=_TILE_K, num_warps=_WARPS,
+        BM=bm, BK=bk, num_warps=warps,
     )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c
 
@@ -305,7 +310,7 @@ def _nvfp4_dequantize_2d(data: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     if R and C:
         grid = (triton.cdiv(R, 32), triton.cdiv(C, 128))
         torch.library.wrap_triton(_nvfp4_dequantize_kernel)[grid](
-            data, scale, out, R, C, BR=32, BC=128, num_warps=4
+            data, scale, out.view(torch.int16), R, C, BR=32, BC=128, num_warps=4
         )
     return out
 

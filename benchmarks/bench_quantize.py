@@ -1,0 +1,275 @@
+"""Quantization kernels: achieved bytes/s against the device-to-device copy, same run.
+
+Each kernel runs on a 16384 x 8192 BF16 tensor (randn with about one value in a thousand
+50-500x larger) through the public functions of blockscale.kernels. The figure of merit is
+(bytes the kernel must read + bytes it must write) / time, over the copy ceiling measured in
+the same run (harness.copy_bandwidth, bytes read + written). Byte counts (N = rows * cols):
+
+    amax                      read 2N
+    NVFP4 one direction       read 2N, write N/2 codes + N/16 scales (+ 2N with the BF16 dq)
+    NVFP4 both directions     read 2N, write 2 * (N/2 + N/16)        (+ 4N with both dq)
+    MXFP8 one direction       read 2N, write N + N/32                 (+ 2N with dq)
+    NVFP4 dequantize          read N/2 + N/16, write 2N
+    16x16 transpose           read and write N/2 + N/16 each
+
+Quantize rows take the tensor amax as given (amax=...), as the linear layer does once the
+amax is known; the "+ amax pass" rows include the separate amax kernel and count its read
+too. Each function is captured in a CUDA graph and the replays are timed (CUDA events, median),
+so Python and launch overhead stay out of a memory-bound kernel's figure; `--eager` times the
+plain calls instead. `--sweep` tries a few tile shapes per kernel family and keeps the best.
+
+    python benchmarks/bench_quantize.py --json results/bench_quantize_h100.json
+    python benchmarks/bench_quantize.py --sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
+
+import harness  # noqa: E402
+
+from blockscale import kernels  # noqa: E402
+from blockscale.formats import nvfp4 as nvfp4_ref  # noqa: E402
+
+# The modules, not the functions of the same name that blockscale.kernels exports.
+TILE_TABLES = {
+    name: importlib.import_module(f"blockscale.kernels.{name}").TILES
+    for name in ("amax", "nvfp4", "mxfp8")
+}
+
+SHAPE = (16384, 8192)
+QUICK_SHAPE = (128, 256)
+SWEEP = [(64, 64, 4), (32, 128, 4), (64, 128, 8), (128, 64, 8), (32, 64, 2), (128, 128, 8)]
+AMAX_SWEEP = [(64, 64, 4, 8), (64, 128, 8, 8), (128, 64, 8, 4), (32, 128, 4, 16)]
+
+
+def make_input(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(shape, generator=g, device=device)
+    hit = torch.rand(shape, generator=g, device=device) < 1e-3
+    x = torch.where(hit, x * (50 + 450 * torch.rand(shape, generator=g, device=device)), x)
+    return x.to(torch.bfloat16)
+
+
+def cases(x: torch.Tensor) -> list[tuple[str, str, Callable[[], Any], float]]:
+    """(name, tile family, call, bytes moved) for every kernel."""
+    n = x.numel()
+    amax = kernels.amax(x)
+    amax_t = kernels.amax_hadamard_t(x)
+    q16 = nvfp4_ref.quantize(x, block="16x16")
+    q1 = nvfp4_ref.quantize(x)
+    nv1 = 2 * n + n / 2 + n / 16  # one NVFP4 direction, no dq
+    mx1 = 2 * n + n + n / 32
+    col = {"hadamard": True, "amax": amax_t}
+    col_sr = {**col, "rounding": "stochastic"}
+    return [
+        ("amax", "amax:plain", lambda: kernels.amax(x), 2 * n),
+        ("amax fused |x| + RHT columnwise", "amax:hadamard", lambda: kernels.amax_fused(x), 2 * n),
+        ("nvfp4 1x16 rowwise", "nvfp4:row", lambda: kernels.nvfp4_quantize(x, amax=amax), nv1),
+        (
+            "nvfp4 1x16 rowwise + dq",
+            "nvfp4:row",
+            lambda: kernels.nvfp4_quantize(x, amax=amax, return_dq=True),
+            nv1 + 2 * n,
+        ),
+        (
+            "nvfp4 1x16 rowwise SR + dq",
+            "nvfp4:row",
+            lambda: kernels.nvfp4_quantize(x, amax=amax, rounding="stochastic", return_dq=True),
+            nv1 + 2 * n,
+        ),
+        (
+            "nvfp4 16x16 weight + dq",
+            "nvfp4:row",
+            lambda: kernels.nvfp4_quantize(x, block="16x16", amax=amax, return_dq=True),
+            nv1 + 2 * n,
+        ),
+        (
+            "nvfp4 columnwise RHT",
+            "nvfp4:col",
+            lambda: kernels.nvfp4_quantize(x, transpose=True, hadamard=True, amax=amax_t),
+            nv1,
+        ),
+        (
+            "nvfp4 columnwise RHT SR",
+            "nvfp4:col",
+            lambda: kernels.nvfp4_quantize(
+                x, transpose=True, hadamard=True, amax=amax_t, rounding="stochastic"
+            ),
+            nv1,
+        ),
+        (
+            "nvfp4 both (row + col RHT)",
+            "nvfp4:both",
+            lambda: kernels.nvfp4_quantize_both(x, {"amax": amax}, col),
+            2 * nv1 - 2 * n,
+        ),
+        (
+            "nvfp4 both (row + col RHT) + dq",
+            "nvfp4:both",
+            lambda: kernels.nvfp4_quantize_both(x, {"amax": amax}, col, return_dq=True),
+            2 * nv1 - 2 * n + 4 * n,
+        ),
+        (
+            "nvfp4 both SR (grad_output) + dq",
+            "nvfp4:both",
+            lambda: kernels.nvfp4_quantize_both(
+                x, {"amax": amax, "rounding": "stochastic"}, col_sr, return_dq=True
+            ),
+            2 * nv1 - 2 * n + 4 * n,
+        ),
+        (
+            "nvfp4 rowwise + amax pass",
+            "nvfp4:row",
+            lambda: kernels.nvfp4_quantize(x),
+            nv1 + 2 * n,
+        ),
+        (
+            "nvfp4 both + fused amax pass",
+            "nvfp4:both",
+            lambda: kernels.nvfp4_quantize_both(x, {}, {"hadamard": True}),
+            2 * nv1 - 2 * n + 2 * n,
+        ),
+        (
+            "nvfp4 dequantize dq",
+            "-",
+            lambda: kernels.nvfp4_dequantize_dq(q1),
+            n / 2 + n / 16 + 2 * n,
+        ),
+        (
+            "nvfp4 16x16 transpose",
+            "-",
+            lambda: kernels.nvfp4_transpose_16x16(q16),
+            2 * (n / 2 + n / 16),
+        ),
+        ("mxfp8 rowwise", "mxfp8:row", lambda: kernels.mxfp8_quantize(x), mx1),
+        ("mxfp8 columnwise", "mxfp8:col", lambda: kernels.mxfp8_quantize(x, transpose=True), mx1),
+        ("mxfp8 both", "mxfp8:both", lambda: kernels.mxfp8_quantize_both(x), 2 * mx1 - 2 * n),
+        (
+            "mxfp8 both + dq",
+            "mxfp8:both",
+            lambda: kernels.mxfp8_quantize_both(x, return_dq=True),
+            2 * mx1 - 2 * n + 4 * n,
+        ),
+        (
+            "swizzle scales (tiny)",
+            "-",
+            lambda: kernels.swizzle_scales(q1.scale),
+            2 * q1.scale.numel(),
+        ),
+    ]
+
+
+def graphed(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
+    """fn captured in a CUDA graph (its outputs live in the graph's pool); replay it."""
+    if device.type != "cuda":
+        return fn
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def set_tiles(family: str, cfg: tuple) -> None:
+    group, kind = family.split(":")
+    TILE_TABLES[group][kind] = cfg
+
+
+def get_tiles(family: str) -> tuple:
+    group, kind = family.split(":")
+    return TILE_TABLES[group][kind]
+
+
+def measure(fn, device, warmup, reps, eager) -> harness.Timing:
+    call = fn if eager else graphed(fn, device)
+    return harness.time_fn(call, warmup=warmup, reps=reps, device=device)
+
+
+def sweep(x, device, warmup, reps) -> dict[str, tuple]:
+    """Best tile config per family, timed on that family's first (cheapest) case."""
+    best: dict[str, tuple] = {}
+    seen = set()
+    for name, family, fn, _ in cases(x):
+        if family == "-" or family in seen:
+            continue
+        seen.add(family)
+        options = AMAX_SWEEP if family.startswith("amax") else SWEEP
+        results = []
+        for cfg in options:
+            set_tiles(family, cfg)
+            try:
+                t = measure(fn, device, warmup, reps, eager=False).median_ms
+            except Exception as e:  # a config the compiler rejects (e.g. out of resources)
+                print(f"  {family} {cfg}: failed ({type(e).__name__}: {str(e)[:80]})")
+                continue
+            results.append((t, cfg))
+            print(f"  {family} {cfg}: {t * 1e3:.1f} us ({name})")
+        t, cfg = min(results)
+        best[family] = cfg
+        set_tiles(family, cfg)
+    print("best tiles:", best)
+    return best
+
+
+def main() -> None:
+    parser = harness.add_common_args(argparse.ArgumentParser(description=__doc__))
+    parser.add_argument("--sweep", action="store_true", help="try tile shapes per family")
+    parser.add_argument("--eager", action="store_true", help="time plain calls, no CUDA graph")
+    args = parser.parse_args()
+    device = harness.pick_device(args.device)
+    info = harness.banner(device)
+    shape = QUICK_SHAPE if args.quick or device.type != "cuda" else SHAPE
+    warmup = args.warmup or (1 if args.quick else 5)
+    reps = args.reps or (3 if args.quick else 50)
+    x = make_input(shape, device)
+    copy = harness.copy_bandwidth(device, reps=3 if args.quick else 20)
+    print(f"copy ceiling: {copy / 1e9:.0f} GB/s (read + write); shape {shape} bf16")
+    tiles = sweep(x, device, warmup, reps) if args.sweep else {}
+    rows = []
+    for name, family, fn, nbytes in cases(x):
+        t = measure(fn, device, warmup, reps, args.eager)
+        gbs = nbytes / (t.median_ms * 1e-3) / 1e9
+        rows.append(
+            {
+                "kernel": name,
+                "time_us": t.median_ms * 1e3,
+                "GB/s": gbs,
+                "% of copy": 100 * gbs * 1e9 / copy,
+                "MB moved": nbytes / 1e6,
+                "tiles": get_tiles(family) if family != "-" else "-",
+                "p20_us": t.p20_ms * 1e3,
+                "p80_us": t.p80_ms * 1e3,
+            }
+        )
+    harness.print_table(rows, ["kernel", "time_us", "GB/s", "% of copy", "MB moved", "tiles"])
+    if args.json:
+        harness.write_json(
+            args.json,
+            {
+                "info": info,
+                "shape": shape,
+                "copy_GBps": copy / 1e9,
+                "timing": "eager" if args.eager else "cuda graph replay",
+                "tiles": {k: list(v) for k, v in tiles.items()},
+                "rows": rows,
+            },
+        )
+
+
+if __name__ == "__main__":
+    main()

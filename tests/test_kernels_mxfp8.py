@@ -1,0 +1,115 @@
+"""MXFP8 kernels, bit for bit against formats/mxfp8.py (interpreter on CPU, large on GPU).
+
+In the interpreter the E4M3 data cast is the kernel's integer-bit rounding; on the GPU it is
+the hardware conversion. Both must equal torch's cast of the clamped value.
+"""
+
+import pytest
+import torch
+
+from blockscale import kernels
+from blockscale.formats import mxfp8
+
+ON_GPU = torch.cuda.is_available()
+DEV = "cuda" if ON_GPU else "cpu"
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (large shapes)")
+
+
+def randn(*shape, seed=0, dtype=torch.bfloat16, outliers=False) -> torch.Tensor:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(*shape, generator=g, device=DEV)
+    if outliers:
+        hit = torch.rand(*shape, generator=g, device=DEV) < 1e-3
+        x = torch.where(hit, x * 300, x)
+    return x.to(dtype)
+
+
+def assert_same(q: mxfp8.MXFP8Tensor, r: mxfp8.MXFP8Tensor) -> None:
+    assert q.shape == r.shape and q.data.dtype == torch.float8_e4m3fn
+    assert q.scale.dtype == torch.float8_e8m0fnu
+    torch.testing.assert_close(q.data.view(torch.uint8), r.data.view(torch.uint8), atol=0, rtol=0)
+    torch.testing.assert_close(q.scale.view(torch.uint8), r.scale.view(torch.uint8), atol=0, rtol=0)
+
+
+def assert_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
+    nan = a.isnan()
+    assert torch.equal(nan, b.isnan())
+    torch.testing.assert_close(a.view(torch.int16)[~nan], b.view(torch.int16)[~nan], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("shape", "transpose"),
+    [((32, 64), False), ((32, 64), True), ((17, 96), False), ((96, 32), True), ((3, 5, 64), False),
+     ((64, 160), True)],
+    ids=str,
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_quantize_matches_reference(shape, transpose, dtype):
+    x = randn(*shape, seed=shape[-1], dtype=dtype, outliers=True)
+    q, dq = kernels.mxfp8_quantize(x, transpose=transpose, return_dq=True)
+    r = mxfp8.quantize(x, transpose=transpose)
+    assert_same(q, r)
+    assert_bits(dq, r.dq())
+
+
+def test_power_of_two_edges_subnormals_and_non_finite():
+    # block_amax = 448 * 2^k must give e = k exactly; blocks of tiny values exercise E4M3
+    # subnormals and the clamp at e = -127; Inf and NaN blocks get the NaN scale.
+    rows = []
+    for k in range(-20, 21, 4):
+        row = torch.linspace(-1, 1, 32) * 448 * 2.0**k
+        row[0] = 448 * 2.0**k
+        rows.append(row)
+    rows.append(torch.linspace(-1, 1, 32) * 1e-38)
+    rows.append(torch.full((32,), 3e-45))
+    rows.append(torch.zeros(32))
+    rows.append(torch.tensor([1.0, 2**-12, 2**-10, 2**-9 * 3, 2**-9 * 5] + [1e-3] * 27))
+    inf_row = torch.randn(32)
+    inf_row[4] = float("inf")
+    nan_row = torch.randn(32)
+    nan_row[7] = float("nan")
+    rows += [inf_row, nan_row]
+    x = torch.stack(rows).to(DEV)
+    x = torch.cat((x, torch.zeros(32 - x.shape[0], 32, device=DEV))) if x.shape[0] < 32 else x
+    for transpose in (False, True):
+        xt = x.t().contiguous() if transpose else x
+        q, dq = kernels.mxfp8_quantize(xt, transpose=transpose, return_dq=True)
+        r = mxfp8.quantize(xt, transpose=transpose)
+        assert_same(q, r)
+        assert_bits(dq, r.dq())
+
+
+def test_both_directions_from_one_read():
+    x = randn(64, 96, seed=4, outliers=True)
+    (qr, dqr), (qc, dqc) = kernels.mxfp8_quantize_both(x, return_dq=True)
+    rr, rc = mxfp8.quantize(x), mxfp8.quantize(x, transpose=True)
+    assert_same(qr, rr)
+    assert_same(qc, rc)
+    assert_bits(dqr, rr.dq())
+    assert_bits(dqc, rc.dq())
+    qr2, qc2 = kernels.mxfp8_quantize_both(x)
+    assert_same(qr2, rr)
+    assert_same(qc2, rc)
+
+
+def test_shape_rules():
+    with pytest.raises(ValueError, match="K=48"):
+        kernels.mxfp8_quantize(torch.zeros(4, 48, device=DEV))
+    with pytest.raises(ValueError, match="K=48"):
+        kernels.mxfp8_quantize_both(torch.zeros(48, 64, device=DEV))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", [(8192, 5120), (8192, 11328), (14336, 16384)], ids=str)
+def test_gpu_large_shapes(shape):
+    x = randn(*shape, seed=shape[1], outliers=True)
+    (qr, dqr), (qc, dqc) = kernels.mxfp8_quantize_both(x, return_dq=True)
+    rr = mxfp8.quantize(x)
+    assert_same(qr, rr)
+    assert_bits(dqr, rr.dq())
+    del qr, dqr, rr
+    rc = mxfp8.quantize(x, transpose=True)
+    assert_same(qc, rc)
+    assert_bits(dqc, rc.dq())
