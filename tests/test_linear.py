@@ -334,6 +334,21 @@ def test_bf16_recipe_is_f_linear():
     assert torch.equal(gx, xr.grad) and torch.equal(gw, wr.grad) and torch.equal(gb, br.grad)
 
 
+def test_custom_recipe_with_high_precision_backward():
+    nv = recipes.OperandConfig("nvfp4")
+    fwd_only = recipes.Recipe(
+        "fwd_only", recipes.OutputGemm(nv, recipes.OperandConfig("nvfp4", "16x16"))
+    )
+    x, w, b, go = make_inputs((2, 16), 64, 32)
+    y, gx, gw, gb = run_linear(x, w, b, go, fwd_only, seed=0)
+    y_q, *_ = run_linear(x, w, b, go, recipes.get("nvfp4"), seed=0)
+    assert torch.equal(y, y_q)  # the same forward as nvfp4
+    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    F.linear(xr, wr).backward(go)  # backward GEMMs in FP32, as an unquantized layer's
+    torch.testing.assert_close(gx, xr.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gw, wr.grad, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("k", "n", "name", "message"),
     [
@@ -380,7 +395,7 @@ def test_bench_linear_quick_smoke(tmp_path):
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize(("name", "switches"), VARIANTS)
-def test_gpu_matches_step_by_step_reference(name, switches, monkeypatch):
+def test_gpu_matches_step_by_step_reference(name, switches):
     recipe = recipes.get(name, **switches).with_backend("emulated")
     check_against_reference(recipe, (4, 96), k=256, n=512, device="cuda")
 
