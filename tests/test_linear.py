@@ -34,6 +34,7 @@ from blockscale.ops.quantize import HighPrecisionTensor
 
 # blockscale.ops re-exports the function `linear`, which shadows the module of the same name.
 ops_linear = importlib.import_module("blockscale.ops.linear")
+ops_quantize = importlib.import_module("blockscale.ops.quantize")
 U32 = 2.0**-24
 QUANTIZED = ["nvfp4", "nvfp4_fwd_mxfp8_bwd", "mxfp8"]
 VARIANTS = [
@@ -141,11 +142,12 @@ def run_linear(x, w, b, go, recipe, seed):
 
 
 class Recorder:
-    """Wraps ops.linear's quantize_operand and keeps every operand it produces, in order."""
+    """Wraps ops' quantize_operand and keeps every operand it produces, in order."""
 
     def __init__(self, monkeypatch):
         self.calls = []
         monkeypatch.setattr(ops_linear, "quantize_operand", self)
+        monkeypatch.setattr(ops_quantize, "quantize_operand", self)
 
     def __call__(self, x, config, transpose=False, generator=None):
         result = quantize_operand(x, config, transpose, generator)
@@ -191,11 +193,11 @@ def test_matches_step_by_step_reference(name, switches, lead, monkeypatch):
     recipe = recipes.get(name, **switches)
     recorder = Recorder(monkeypatch)
     q = check_against_reference(recipe, lead, k=64, n=96, device="cpu")
-    # Forward: input, weight, [dgrad weight copy], input_t; backward: grad_output, grad_output_t.
-    names = ["output.input", "output.weight"]
+    # Forward: input, input_t, weight, [dgrad weight copy]; backward: grad_output, grad_output_t.
+    names = ["output.input", "grad_weight.input_t", "output.weight"]
     if recipe.grad_input.weight.block != "16x16":
         names.append("grad_input.weight")
-    names += ["grad_weight.input_t", "grad_input.grad_output", "grad_weight.grad_output_t"]
+    names += ["grad_input.grad_output", "grad_weight.grad_output_t"]
     assert len(recorder.calls) == len(names)
     for role, (_, _, result) in zip(names, recorder.calls):
         assert_same_operand(result, q[role], role)

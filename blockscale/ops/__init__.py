@@ -1,6 +1,12 @@
 """ops/: autograd Functions whose GEMMs follow a recipe, and the operand quantizer they share."""
 
 from blockscale.ops.linear import linear, unsupported_reason
-from blockscale.ops.quantize import HighPrecisionTensor, quantize_operand
+from blockscale.ops.quantize import HighPrecisionTensor, quantize_operand, quantize_rows_and_tokens
 
-__all__ = ["HighPrecisionTensor", "linear", "quantize_operand", "unsupported_reason"]
+__all__ = [
+    "HighPrecisionTensor",
+    "linear",
+    "quantize_operand",
+    "quantize_rows_and_tokens",
+    "unsupported_reason",
+]

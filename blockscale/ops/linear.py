@@ -51,8 +51,13 @@ import torch.nn.functional as F
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.gemm.dispatch import Backend, Transposed, resolve_backend, scaled_mm
-from blockscale.ops.quantize import HighPrecisionTensor, QuantizedOperand, quantize_operand
-from blockscale.recipes import OperandConfig, Recipe
+from blockscale.ops.quantize import (
+    HighPrecisionTensor,
+    QuantizedOperand,
+    quantize_operand,
+    quantize_rows_and_tokens,
+)
+from blockscale.recipes import Recipe
 
 Operand = QuantizedOperand | Transposed
 
@@ -75,12 +80,6 @@ def unsupported_reason(in_features: int, out_features: int, recipe: Recipe) -> s
     if w.block == "16x16" and out_features % 16:
         return f"out_features={out_features} is not a multiple of 16 (output.weight is 16x16)"
     return None
-
-
-def _pad_tokens(x: torch.Tensor, config: OperandConfig) -> torch.Tensor:
-    """Zero-pad the rows of [M, C] to a multiple of the block that runs along M."""
-    pad = -x.shape[0] % config.block_size
-    return F.pad(x, (0, 0, 0, pad)) if pad else x
 
 
 def _save(op: Operand | None) -> tuple[list[torch.Tensor], tuple[Any, ...]]:
@@ -140,7 +139,8 @@ class _Linear(torch.autograd.Function):
         lead, k = input.shape[:-1], input.shape[-1]
         x = input.reshape(-1, k)
         with torch.autocast(input.device.type, enabled=False):
-            x_lp = quantize_operand(x, recipe.output.input)
+            wgrad_cfg = recipe.grad_weight.input_t if ctx.needs_input_grad[1] else None
+            x_lp, input_t = quantize_rows_and_tokens(x, recipe.output.input, wgrad_cfg)
             w_lp = quantize_operand(weight, recipe.output.weight)
             out = _mm(x_lp, w_lp, out_dtype, out_dtype, backend, bias)
 
@@ -151,10 +151,6 @@ class _Linear(torch.autograd.Function):
                     weight_for_dgrad = Transposed(w_lp)  # type: ignore[arg-type]
                 else:
                     weight_for_dgrad = quantize_operand(weight, dgrad_cfg, transpose=True)
-            input_t: Operand | None = None
-            if ctx.needs_input_grad[1]:
-                cfg = recipe.grad_weight.input_t
-                input_t = quantize_operand(_pad_tokens(x, cfg), cfg, transpose=True)
 
         w_tensors, ctx.weight_meta = _save(weight_for_dgrad)
         x_tensors, ctx.input_meta = _save(input_t)
@@ -173,15 +169,17 @@ class _Linear(torch.autograd.Function):
         go = grad_output.reshape(-1, grad_output.shape[-1])
         grad_input = grad_weight = grad_bias = None
         with torch.autocast(go.device.type, enabled=False):
+            go_lp, go_t = quantize_rows_and_tokens(
+                go,
+                recipe.grad_input.grad_output if ctx.needs_input_grad[0] else None,
+                recipe.grad_weight.grad_output_t if ctx.needs_input_grad[1] else None,
+            )
             if ctx.needs_input_grad[0]:
                 weight_t = _load(saved[:n], ctx.weight_meta)
-                go_lp = quantize_operand(go, recipe.grad_input.grad_output)
                 grad_input = _mm(go_lp, weight_t, ctx.input_dtype, ctx.compute_dtype, ctx.backend)
                 grad_input = grad_input.reshape(ctx.input_shape)
             if ctx.needs_input_grad[1]:
                 input_t = _load(saved[n:], ctx.input_meta)
-                cfg = recipe.grad_weight.grad_output_t
-                go_t = quantize_operand(_pad_tokens(go, cfg), cfg, transpose=True)
                 grad_weight = _mm(go_t, input_t, ctx.weight_dtype, ctx.compute_dtype, ctx.backend)
             if ctx.needs_input_grad[2]:
                 grad_bias = go.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
