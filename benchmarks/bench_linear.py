@@ -12,7 +12,7 @@ For each shape the script measures, in the same run:
 
 The GEMM backend is whatever `recipe.backend="auto"` picks (emulated on Hopper), printed per
 row. `--compile` adds rows for the step under torch.compile (one compilation per shape and
-recipe). `--quick` runs tiny shapes with few repetitions: a smoke test that runs on the CPU.
+recipe, with Inductor's eager-numerics options so the compiled step stays exact). `--quick` runs tiny shapes with few repetitions: a smoke test that runs on the CPU.
 
     python benchmarks/bench_linear.py --json results/bench_linear_h100.json
     python benchmarks/bench_linear.py --quick            # CPU smoke test
@@ -34,6 +34,7 @@ import harness  # noqa: E402
 import blockscale.nn as bsnn  # noqa: E402
 from blockscale import recipes  # noqa: E402
 from blockscale.gemm import resolve_backend  # noqa: E402
+from blockscale.ops import EXACT_INDUCTOR_OPTIONS  # noqa: E402
 
 SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096)]
 QUICK_SHAPES = [(128, 128, 128), (128, 128, 256)]
@@ -86,7 +87,11 @@ def bench_shape(
         recipe = recipes.get(name)
         layer = bsnn.Linear(k, n, bias=False, device="meta", recipe=recipe)
         layer.weight = weight
-        fn = torch.compile(layer, fullgraph=True) if compiled else layer
+        fn = (
+            torch.compile(layer, fullgraph=True, options=EXACT_INDUCTOR_OPTIONS)
+            if compiled
+            else layer
+        )
         step = make_step(layer, fn)
         timing = harness.time_fn(step, inputs, warmup=warmup, reps=reps, device=device)
         peak = harness.peak_memory(lambda step=step: step(*inputs[0]), device)

@@ -12,8 +12,8 @@ stay inside the CI time budget.
 Two Inductor settings are needed for eager's bits, and docs/RECIPES.md tells users to set them:
 by default Inductor lowers FP32 division to Triton's approximate `div.full` (the encode scales
 are divisions), and it drops a BF16 round trip between fused ops (the Hadamard output is
-rounded to BF16 before the amax and the cast). `EXACT_INDUCTOR` turns both back to eager's
-behaviour; every compile test here runs under it.
+rounded to BF16 before the amax and the cast). `EXACT_INDUCTOR_OPTIONS` turns both back to
+eager's behaviour; every compile test here runs under it.
 """
 
 import pytest
@@ -22,8 +22,7 @@ from torch import nn
 
 import blockscale.nn as bsnn
 from blockscale import recipes
-
-EXACT_INDUCTOR = {"eager_numerics.division_rounding": True, "emulate_precision_casts": True}
+from blockscale.ops import EXACT_INDUCTOR_OPTIONS
 
 
 class MLP(nn.Module):
@@ -45,7 +44,7 @@ def eager_and_compiled(recipe, device="cpu"):
     results = []
     for fn in (
         model,
-        torch.compile(model, fullgraph=True, options=EXACT_INDUCTOR),
+        torch.compile(model, fullgraph=True, options=EXACT_INDUCTOR_OPTIONS),
     ):
         model.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_(True)
@@ -87,7 +86,7 @@ def test_gpu_compiled_stochastic_rounding_is_reproducible_under_a_seed():
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = bsnn.convert(MLP().cuda(), recipes.get("nvfp4"))
-    compiled = torch.compile(model, fullgraph=True, options=EXACT_INDUCTOR)
+    compiled = torch.compile(model, fullgraph=True, options=EXACT_INDUCTOR_OPTIONS)
     x = torch.randn(4, 32, 64, device="cuda")
     grads = []
     for seed in (5, 5, 6):

@@ -1,9 +1,10 @@
 """ops/: autograd Functions whose GEMMs follow a recipe, and the operand quantizer they share."""
 
-from blockscale.ops.linear import linear, unsupported_reason
+from blockscale.ops.linear import EXACT_INDUCTOR_OPTIONS, linear, unsupported_reason
 from blockscale.ops.quantize import HighPrecisionTensor, quantize_operand, quantize_rows_and_tokens
 
 __all__ = [
+    "EXACT_INDUCTOR_OPTIONS",
     "HighPrecisionTensor",
     "linear",
     "quantize_operand",

@@ -39,6 +39,11 @@ Randomness: stochastic rounding draws from PyTorch's default generator in a fixe
 step bit for bit. Under torch.compile the draws come from Inductor's generator: reproducible
 under a seed, but not the eager bits (set `torch._inductor.config.fallback_random = True` for
 those).
+
+torch.compile: everything here traces with fullgraph=True. Inductor relaxes two things by
+default that the quantizers depend on (FP32 division, lowered to an approximate instruction in
+Triton, and BF16 round trips between fused ops, dropped); `EXACT_INDUCTOR_OPTIONS` restores
+eager's numerics: `torch.compile(model, options=EXACT_INDUCTOR_OPTIONS)`.
 """
 
 from __future__ import annotations
@@ -60,6 +65,9 @@ from blockscale.ops.quantize import (
 from blockscale.recipes import Recipe
 
 Operand = QuantizedOperand | Transposed
+
+# Inductor options under which compiled quantization reproduces eager's bits.
+EXACT_INDUCTOR_OPTIONS = {"eager_numerics.division_rounding": True, "emulate_precision_casts": True}
 
 
 def unsupported_reason(in_features: int, out_features: int, recipe: Recipe) -> str | None:
