@@ -12,7 +12,8 @@ For each shape the script measures, in the same run:
 
 The GEMM backend is whatever `recipe.backend="auto"` picks (emulated on Hopper), printed per
 row. `--compile` adds rows for the step under torch.compile (one compilation per shape and
-recipe, with Inductor's eager-numerics options so the compiled step stays exact). `--quick` runs tiny shapes with few repetitions: a smoke test that runs on the CPU.
+recipe, with Inductor's eager-numerics options so the compiled step stays exact). `--quick`
+runs tiny shapes with few repetitions: a smoke test that runs on the CPU.
 
     python benchmarks/bench_linear.py --json results/bench_linear_h100.json
     python benchmarks/bench_linear.py --quick            # CPU smoke test
@@ -87,11 +88,12 @@ def bench_shape(
         recipe = recipes.get(name)
         layer = bsnn.Linear(k, n, bias=False, device="meta", recipe=recipe)
         layer.weight = weight
-        fn = (
-            torch.compile(layer, fullgraph=True, options=EXACT_INDUCTOR_OPTIONS)
-            if compiled
-            else layer
-        )
+        fn = layer
+        if compiled:
+            # Every variant compiles the same forward code; without a reset, Dynamo's per-code
+            # recompile limit (8) would silently send later variants to eager.
+            torch._dynamo.reset()
+            fn = torch.compile(layer, fullgraph=True, options=EXACT_INDUCTOR_OPTIONS)
         step = make_step(layer, fn)
         timing = harness.time_fn(step, inputs, warmup=warmup, reps=reps, device=device)
         peak = harness.peak_memory(lambda step=step: step(*inputs[0]), device)
