@@ -9,11 +9,10 @@ The CPU test compiles with Inductor, so it also checks that Inductor's fused ele
 reproduces the reference rounding decisions exactly. It is kept small (one MLP, one shape) to
 stay inside the CI time budget.
 
-Two Inductor settings are needed for eager's bits, and docs/RECIPES.md tells users to set them:
-by default Inductor lowers FP32 division to Triton's approximate `div.full` (the encode scales
-are divisions), and it drops a BF16 round trip between fused ops (the Hadamard output is
-rounded to BF16 before the amax and the cast). `EXACT_INDUCTOR_OPTIONS` turns both back to
-eager's behaviour; every compile test here runs under it.
+Inductor relaxes by default what the quantizers rely on (Triton's FP32 `/` is approximate,
+BF16 round trips between fused ops are dropped, `a * b + c` may become an FMA);
+`blockscale.ops.EXACT_INDUCTOR_OPTIONS` restores eager's behaviour and docs/RECIPES.md tells
+users to compile with it. Every compile test here runs under it.
 """
 
 import pytest
@@ -32,7 +31,9 @@ class MLP(nn.Module):
         self.down = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.nn.functional.silu(self.up(x)))
+        # ReLU is exact in eager and in Inductor alike (SiLU's exp is not, on the GPU), so any
+        # difference between the two runs comes from the quantized linears.
+        return self.down(torch.relu(self.up(x)))
 
 
 def eager_and_compiled(recipe, device="cpu"):

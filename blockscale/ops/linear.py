@@ -40,10 +40,11 @@ step bit for bit. Under torch.compile the draws come from Inductor's generator: 
 under a seed, but not the eager bits (set `torch._inductor.config.fallback_random = True` for
 those).
 
-torch.compile: everything here traces with fullgraph=True. Inductor relaxes two things by
-default that the quantizers depend on (FP32 division, lowered to an approximate instruction in
-Triton, and BF16 round trips between fused ops, dropped); `EXACT_INDUCTOR_OPTIONS` restores
-eager's numerics: `torch.compile(model, options=EXACT_INDUCTOR_OPTIONS)`.
+torch.compile: everything here traces with fullgraph=True. Inductor relaxes by default what
+the quantizers and the GEMM epilogue depend on (FP32 division is lowered to an approximate
+instruction in Triton, BF16 round trips between fused ops are dropped, `acc * alpha + bias`
+may become one FMA); `EXACT_INDUCTOR_OPTIONS` restores eager's numerics:
+`torch.compile(model, options=EXACT_INDUCTOR_OPTIONS)`.
 """
 
 from __future__ import annotations
@@ -66,8 +67,14 @@ from blockscale.recipes import Recipe
 
 Operand = QuantizedOperand | Transposed
 
-# Inductor options under which compiled quantization reproduces eager's bits.
-EXACT_INDUCTOR_OPTIONS = {"eager_numerics.division_rounding": True, "emulate_precision_casts": True}
+# Inductor options under which compiled quantization reproduces eager's bits: IEEE FP32
+# division, BF16 round trips kept and no FMA contraction (emulate_precision_casts also turns
+# Triton's fp fusion off), subnormals not flushed in library calls.
+EXACT_INDUCTOR_OPTIONS = {
+    "eager_numerics.division_rounding": True,
+    "emulate_precision_casts": True,
+    "eager_numerics.disable_ftz": True,
+}
 
 
 def unsupported_reason(in_features: int, out_features: int, recipe: Recipe) -> str | None:
