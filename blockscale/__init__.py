@@ -4,8 +4,10 @@ Layers, bottom up (imports go one way): formats -> kernels -> gemm -> recipes ->
 distributed -> models -> train -> cli. See README.md and docs/.
 """
 
-from blockscale import hadamard, mxfp8, nvfp4
+from blockscale import gemm, hadamard, mxfp8, nn, nvfp4, ops, recipes
+from blockscale.nn import convert
+from blockscale.ops import linear
 
 __version__ = "0.1.0"
 
-__all__ = ["hadamard", "mxfp8", "nvfp4"]
+__all__ = ["convert", "gemm", "hadamard", "linear", "mxfp8", "nn", "nvfp4", "ops", "recipes"]

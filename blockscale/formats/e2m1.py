@@ -59,11 +59,10 @@ def round_stochastic(v: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
     """
     if rand.shape != v.shape:
         raise ValueError(f"rand shape {tuple(rand.shape)} must equal the values' {tuple(v.shape)}")
-    grid = torch.tensor(GRID + (MAX,), dtype=torch.float32, device=v.device)
     a = v.abs().clamp(max=MAX)
     lo_idx = _magnitude_index_floor(a)
-    lo = grid[lo_idx.long()]
-    hi = grid[lo_idx.long() + 1]
+    lo = magnitude(lo_idx)
+    hi = magnitude((lo_idx + 1).clamp(max=7))
     # At the top of the grid hi == lo; the where() keeps 0/0 out of the comparison.
     step = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
     frac = (a - lo) / step
@@ -71,10 +70,19 @@ def round_stochastic(v: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
     return _with_sign(lo_idx + up, v)
 
 
+def magnitude(idx: torch.Tensor) -> torch.Tensor:
+    """Grid index 0..7 -> FP32 magnitude, by arithmetic rather than a table so that no
+    host-to-device copy happens (CUDA graph capture forbids one): index 1 is the subnormal
+    0.5, indices 2..7 are (2 + mantissa bit) * 2^(exponent field) / 4."""
+    idx = idx.to(torch.int32)
+    normal = ((idx & 1) + 2).float() * (1 << (idx >> 1)).float() * 0.25
+    return torch.where(idx < 2, idx.float() * 0.5, normal)
+
+
 def decode(codes: torch.Tensor) -> torch.Tensor:
     """uint8 E2M1 codes (0..15) -> FP32 values. Code 8 decodes to -0.0."""
-    table = torch.tensor(GRID + tuple(-g for g in GRID), dtype=torch.float32, device=codes.device)
-    return table[codes.long()]
+    value = magnitude(codes & 7)
+    return torch.where(codes >= SIGN_BIT, -value, value)
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:

@@ -36,8 +36,15 @@ def matrix(
     """H = (1/4) * diag(signs) @ H16 (entries +-1/4, exact in every float dtype)."""
     if len(signs) != SIZE or any(s not in (1, -1) for s in signs):
         raise ValueError(f"signs must be {SIZE} values of +1 or -1, got {signs}")
-    s = torch.tensor(signs, dtype=torch.float32)
-    return (0.25 * s[:, None] * sylvester(SIZE)).to(dtype=dtype, device=device)
+    # Built on the device from arange and bit arithmetic, with no host-to-device copy, so
+    # that it can run inside CUDA graph capture: H16[i, j] = (-1)^popcount(i & j).
+    i = torch.arange(SIZE, device=device)
+    both = i[:, None] & i[None, :]
+    parity = (both ^ (both >> 1) ^ (both >> 2) ^ (both >> 3)) & 1
+    negative_rows = sum(1 << k for k, s in enumerate(signs) if s < 0)
+    row_sign = 1 - 2 * ((negative_rows >> i) & 1)
+    h = (row_sign[:, None] * (1 - 2 * parity)).to(torch.float32) * 0.25
+    return h.to(dtype)
 
 
 def transform(x: torch.Tensor, signs: tuple[int, ...] = DEFAULT_SIGNS) -> torch.Tensor:
