@@ -55,7 +55,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     cfg = TrainConfig(**overrides_from_args(args))
     out = Path(args.out or f"runs/compare-{_timestamp()}")
     report = compare(
-        cfg, out, _csv(args.recipes), _csv(args.ablate), args.noise_floor, args.only, not args.quiet
+        cfg,
+        out,
+        _csv(args.recipes),
+        _csv(args.ablate),
+        args.noise_floor,
+        args.only,
+        not args.quiet,
+        args.report_only,
     )
     if report is None:
         return 0
@@ -113,6 +120,9 @@ def parser() -> argparse.ArgumentParser:
         help="report directory [runs/compare-TIMESTAMP]; rerun with the same one to continue",
     )
     compare.add_argument("--quiet", action="store_true", help="no progress bars")
+    compare.add_argument(
+        "--report-only", action="store_true", help="train nothing: report the runs in --out so far"
+    )
     add_config_flags(compare, skip=("recipe",))
     compare.set_defaults(func=cmd_compare)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+import blockscale.nn as bsnn
 import blockscale.recipes as recipes
 from blockscale.models import SIZES, Transformer, model_config
 from blockscale.models.llama import ModelConfig
@@ -105,8 +106,6 @@ def build_model(cfg: TrainConfig, device: torch.device) -> tuple[Transformer, re
     torch.manual_seed(cfg.seed)
     model = Transformer(mcfg).to(device)
     if recipe.quantized:
-        import blockscale.nn as bsnn
-
         policy = bsnn.layer_policy(model, bf16_tail_fraction=cfg.bf16_tail)
         bsnn.convert(model, recipe, module_filter_fn=policy)
     return model, recipe

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -30,7 +31,8 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
+    # A `step_N.tmp` folder is a checkpoint whose writing was cut short: never a candidate.
+    return sorted(p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"step_\d+", p.name))
 
 
 def save(

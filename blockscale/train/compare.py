@@ -99,10 +99,17 @@ def compare(
     noise_floor: bool = False,
     only: str | None = None,
     progress: bool = True,
+    report_only: bool = False,
 ) -> Path | None:
-    """Run every variant (or just `only`) and write the report; returns the report's path."""
+    """Run every variant (or just `only`) and write the report; returns the report's path.
+    `report_only` trains nothing and reports the runs that exist, finished or not."""
     out = Path(out)
     runs = variants(base, list(names), list(ablate), noise_floor)
+    if report_only:
+        present = [name for name in runs if (out / "runs" / name / "config.json").exists()]
+        if not present:
+            raise UsageError(f"{out} holds none of this comparison's runs ({', '.join(runs)})")
+        return write_report(out, present)
     if only is not None:
         if only not in runs:
             raise UsageError(

@@ -116,6 +116,16 @@ def load_corpus(spec: str, max_bytes: int = 0) -> Corpus:
     return Corpus(train=train, val=val, source=spec)
 
 
+def batch_seed(*values: int) -> int:
+    """Mix integers into one 32-bit seed. The CPU generator (mt19937) keeps only the low 32 bits
+    of a seed, so packing values into high bits would give every run seed the same batches."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = ((h ^ v) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0xFFFFFFFF
+
+
 class Batches:
     """Random windows of `seq_len + 1` bytes; `get(step, micro)` is deterministic."""
 
@@ -128,7 +138,7 @@ class Batches:
         self.offsets = torch.arange(seq_len + 1)
 
     def get(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed((self.seed * 2**40 + step * 2**8 + micro) % 2**63)
+        g = torch.Generator().manual_seed(batch_seed(self.seed, step, micro))
         starts = torch.randint(
             0, self.tokens.numel() - self.seq_len - 1, (self.batch_size,), generator=g
         )

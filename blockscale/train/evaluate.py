@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import blockscale.nn as bsnn
 from blockscale.train import build, checkpoint
 from blockscale.train.config import TrainConfig
 from blockscale.train.data import eval_windows, read_all
@@ -62,8 +63,6 @@ def eval_run(
     model, _ = build.build_model(cfg, device)
     checkpoint.load_weights(ckpts[-1], model)
     if cfg.bf16_final_fraction > 0 and cfg.recipe != "bf16":
-        import blockscale.nn as bsnn
-
         bsnn.set_precision(model, False)
     tokens = read_all(data)
     result = evaluate(

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import blockscale.nn as bsnn
 from blockscale.train import build, checkpoint, telemetry
 from blockscale.train.config import TrainConfig
 from blockscale.train.data import Batches, load_corpus
@@ -118,9 +119,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
 
     step_model = torch.compile(model) if cfg.compile else model
     autocast = build.autocast_for(device)
-    switch_step = (
-        round(cfg.steps * (1 - cfg.bf16_final_fraction)) if cfg.bf16_final_fraction else cfg.steps
-    )
+    schedule = bsnn.PrecisionSchedule(cfg.steps, cfg.bf16_final_fraction)
     quantized_now = None
     tokens_per_step = cfg.batch_size * cfg.grad_accum * seq_len
     if device.type == "cuda":
@@ -153,11 +152,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     try:
         with _StopRequest() as stop:
             for step in range(start, cfg.steps):
-                if quantized_now != (step < switch_step) and recipe.quantized:
-                    quantized_now = step < switch_step
-                    import blockscale.nn as bsnn
-
-                    bsnn.set_precision(model, quantized_now)
+                if recipe.quantized and quantized_now != schedule.quantized(step):
+                    quantized_now = schedule.apply(model, step)
                 lr = build.lr_at(cfg, step)
                 for group in optimizer.param_groups:
                     group["lr"] = lr

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import statistics
 from pathlib import Path
 
 import torch
@@ -26,16 +27,34 @@ import torch
 from blockscale.train.loop import read_metrics
 
 BASELINE = "bf16"
+OPERANDS = (  # panel order: forward, then the two backward GEMMs
+    "output.input",
+    "output.weight",
+    "grad_input.grad_output",
+    "grad_input.weight",
+    "grad_weight.grad_output_t",
+    "grad_weight.input_t",
+)
 
 
 def load_run(run_dir: Path) -> dict:
+    """A run's config, summary and metric rows. A run still in progress (no summary yet) gets
+    a partial summary from its metrics, marked with the step it reached."""
+    rows = read_metrics(run_dir)
     summary_path = run_dir / "summary.json"
-    return {
-        "name": run_dir.name,
-        "config": json.loads((run_dir / "config.json").read_text()),
-        "summary": json.loads(summary_path.read_text()) if summary_path.exists() else {},
-        "rows": read_metrics(run_dir),
-    }
+    if summary_path.exists():
+        summary = json.loads(summary_path.read_text())
+    else:
+        evals = [r for r in rows if r["kind"] == "eval"]
+        rates = [r["tokens_per_s"] for r in rows if r["kind"] == "train"][1:]
+        summary = {
+            "status": f"unfinished (step {max((r['step'] for r in rows), default=0)})",
+            "val_loss": evals[-1]["val_loss"] if evals else None,
+            "val_bpb": evals[-1]["val_bpb"] if evals else None,
+            "tokens_per_s": statistics.median(rates) if rates else None,
+        }
+    config = json.loads((run_dir / "config.json").read_text())
+    return {"name": run_dir.name, "config": config, "summary": summary, "rows": rows}
 
 
 def _gap(value: float | None, base: float | None) -> float | None:
@@ -126,13 +145,13 @@ def telemetry_grid(run: dict) -> tuple[list[int], dict[str, dict[str, list[float
     """(steps, {operand: {layer: [sqnr_db per step]}}) of one run's telemetry rows."""
     rows = [r for r in run["rows"] if r["kind"] == "telemetry" and r["layers"]]
     steps = [r["step"] for r in rows]
-    grid: dict[str, dict[str, list[float]]] = {}
+    grid: dict[str, dict[str, list[float]]] = {operand: {} for operand in OPERANDS}
     for i, row in enumerate(rows):
         for layer, operands in row["layers"].items():
             for operand, stats in operands.items():
                 series = grid.setdefault(operand, {}).setdefault(layer, [math.nan] * len(rows))
                 series[i] = stats["sqnr_db"]
-    return steps, grid
+    return steps, {operand: by_layer for operand, by_layer in grid.items() if by_layer}
 
 
 def worst_operands(run: dict, count: int = 5) -> list[list[str]]:
@@ -228,10 +247,17 @@ def plot(out: Path, runs: list[dict]) -> list[tuple[str, str]]:
         if not grid:
             continue
         layers = list(next(iter(grid.values())))
+        values = [v for by_layer in grid.values() for series in by_layer.values() for v in series]
+        finite = [v for v in values if math.isfinite(v)]
+        # One color scale for every panel, so operands compare with each other too.
+        scale = {"vmin": min(finite, default=0.0), "vmax": max(finite, default=1.0)}
         cols = min(3, len(grid))
         nrows = -(-len(grid) // cols)
         fig, axes = plt.subplots(
-            nrows, cols, figsize=(5 * cols, 0.9 + nrows * (0.6 + 0.22 * len(layers))), squeeze=False
+            nrows,
+            cols,
+            figsize=(4.6 * cols + 1, 0.9 + nrows * (0.6 + 0.22 * len(layers))),
+            squeeze=False,
         )
         for ax in axes.flat[len(grid) :]:
             ax.axis("off")
@@ -242,17 +268,18 @@ def plot(out: Path, runs: list[dict]) -> list[tuple[str, str]]:
                 aspect="auto",
                 cmap="viridis",
                 interpolation="nearest",
+                **scale,
             )
             ax.set_title(operand, fontsize=9)
             ax.set_yticks(range(len(names)), [n.removeprefix("layers.") for n in names], fontsize=7)
             ticks = list(range(0, len(steps), max(1, len(steps) // 6)))
             ax.set_xticks(ticks, [str(steps[i]) for i in ticks], fontsize=7)
             ax.set_xlabel("step", fontsize=8)
-            fig.colorbar(image, ax=ax, label="SQNR (dB)")
+        fig.tight_layout(rect=(0, 0, 0.92, 0.94))
+        fig.colorbar(image, ax=list(axes.flat), label="SQNR (dB)", fraction=0.02, pad=0.02)
         fig.suptitle(
             f"{run['name']}: SQNR of each quantized operand against BF16 (low = hurts)", fontsize=10
         )
-        fig.tight_layout()
         name = f"telemetry_{run['name']}.png"
         fig.savefig(out / name, dpi=110)
         plt.close(fig)

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The convergence study: every recipe and NVFP4 ablation on `small`, same seed, data order and
+# hyperparameters; see docs/TRAINING.md ("The study"). Runs from any directory; needs only
+# python3 with torch, safetensors, matplotlib (tqdm optional); no install of blockscale.
+#
+#   scripts/study.sh smoke DATA OUT        every variant for 20 steps (seq 256), then a compiled
+#                                          NVFP4 run: checks the whole pipeline on CUDA (~1-2 min)
+#   scripts/study.sh list                  the variant names
+#   scripts/study.sh run DATA OUT [NAME]   one variant (or all in turn); each call stops cleanly
+#                                          after MAX_MINUTES, rerun the same command to continue
+#   scripts/study.sh report DATA OUT       report.md, plots and report.json from the runs so far
+#   scripts/study.sh pack OUT DEST         DEST/study.tar.gz: reports, metrics, configs (no checkpoints)
+#
+# Environment: PYTHON (python3), STEPS (4000: 4000 x 32 x 1024 = 131M tokens per run),
+# BATCH (32), LR (1e-3), MAX_MINUTES (8.5), COMPILE (1), SEED (0).
+# Two GPUs: CUDA_VISIBLE_DEVICES=0 scripts/study.sh run DATA OUT bf16 &
+#           CUDA_VISIBLE_DEVICES=1 scripts/study.sh run DATA OUT nvfp4 & wait
+set -euo pipefail
+
+PYTHON=${PYTHON:-python3}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+VARIANTS="bf16 nvfp4 mxfp8 nvfp4_fwd_mxfp8_bwd bf16-seed$((${SEED:-0} + 1)) nvfp4-no-hadamard nvfp4-no-stochastic-rounding nvfp4-no-weight-2d nvfp4-no-bf16-tail"
+
+usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+abspath() { if [ "$1" = stdlib ]; then echo stdlib; else realpath -m "$1"; fi; }
+blockscale() { (cd "$REPO" && PYTHONUNBUFFERED=1 "$PYTHON" -m blockscale "$@"); }
+
+mode=${1:-}
+case "$mode" in
+list) echo "$VARIANTS" | tr ' ' '\n'; exit 0 ;;
+pack)
+    [ $# -eq 3 ] || usage
+    out=$(abspath "$2"); dest=$(abspath "$3"); mkdir -p "$dest"
+    tar -C "$out" --exclude=checkpoints -czf "$dest/study.tar.gz" .
+    echo "$dest/study.tar.gz"; exit 0 ;;
+smoke | run | report) [ $# -ge 3 ] || usage ;;
+*) usage ;;
+esac
+data=$(abspath "$2"); out=$(abspath "$3"); name=${4:-}
+
+# The comparison: every call passes the same flags, so every run of it has the same config.
+COMPARE=(compare --model small --data "$data" --seed "${SEED:-0}" --noise-floor
+         --recipes bf16,nvfp4,mxfp8,nvfp4_fwd_mxfp8_bwd
+         --ablate hadamard,stochastic_rounding,weight_2d,bf16_tail)
+
+if [ "$mode" = smoke ]; then
+    # Every variant, a few steps each, then torch.compile on the NVFP4 path.
+    blockscale "${COMPARE[@]}" --out "$out" --quiet --steps 20 --batch-size 8 --seq-len 256 \
+        --warmup-steps 5 --log-every 5 --eval-every 10 --eval-tokens 65536 --telemetry-every 10 \
+        --keep-checkpoints 1
+    blockscale train --model small --data "$data" --recipe nvfp4 --out "$out/compiled-nvfp4" --quiet \
+        --steps 10 --batch-size 8 --seq-len 256 --warmup-steps 2 --log-every 5 --eval-every 10 \
+        --eval-tokens 65536 --telemetry-every 5 --keep-checkpoints 1 --compile
+    echo "smoke run finished: $out/report.md"
+    exit 0
+fi
+
+STUDY=(--steps "${STEPS:-4000}" --batch-size "${BATCH:-32}" --seq-len 1024 --lr "${LR:-1e-3}"
+       --warmup-steps 200 --log-every 10 --eval-every 250 --eval-tokens 1048576
+       --telemetry-every 200 --ckpt-every 500 --keep-checkpoints 1
+       --max-minutes "${MAX_MINUTES:-8.5}")
+[ "${COMPILE:-1}" = 1 ] && STUDY+=(--compile)
+
+case "$mode" in
+run)
+    if [ -n "$name" ]; then
+        blockscale "${COMPARE[@]}" "${STUDY[@]}" --out "$out" --only "$name"
+    else
+        blockscale "${COMPARE[@]}" "${STUDY[@]}" --out "$out"
+    fi ;;
+report) blockscale "${COMPARE[@]}" "${STUDY[@]}" --out "$out" --report-only --quiet ;;
+esac

@@ -1,0 +1,166 @@
+"""The command line: compare end to end with its report, eval, `python -m blockscale`, and
+the one-line errors for bad input."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from blockscale.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = [
+    "--steps",
+    "8",
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "64",
+    "--warmup-steps",
+    "2",
+    "--log-every",
+    "2",
+    "--eval-every",
+    "4",
+    "--eval-tokens",
+    "4096",
+    "--telemetry-every",
+    "4",
+    "--max-data-bytes",
+    "200000",
+]
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
+    args = ["compare", "--quiet", "--out", str(out), "--ablate", "hadamard,bf16_tail", *FAST]
+    return out, args
+
+
+def test_compare_writes_the_report_with_its_plots(compared, capsys):
+    out, args = compared
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    names = [
+        "bf16",
+        "nvfp4",
+        "mxfp8",
+        "nvfp4_fwd_mxfp8_bwd",
+        "nvfp4-no-hadamard",
+        "nvfp4-no-bf16-tail",
+    ]
+    assert sorted(p.name for p in (out / "runs").iterdir()) == sorted(names)
+    report = (out / "report.md").read_text()
+    assert (
+        "| run | val loss | gap to BF16 |" in report and f"report: {out / 'report.md'}" in printed
+    )
+    for name in names:
+        assert f"| {name} |" in report and name in printed
+    pngs = {"loss_curves.png", "gap_to_bf16.png"} | {
+        f"telemetry_{n}.png" for n in names if n != "bf16"
+    }
+    assert pngs <= {p.name for p in out.iterdir()}
+    for png in pngs:
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({png})" in report
+    table = {row["run"]: row for row in json.loads((out / "report.json").read_text())["table"]}
+    assert table["bf16"]["gap_pct"] == 0.0
+    assert all(row["status"] == "done" and row["val_loss"] > 0 for row in table.values())
+    # The ablation differs from the full recipe in its one switch only.
+    config = json.loads((out / "runs" / "nvfp4-no-hadamard" / "config.json").read_text())
+    assert config["recipe"] == "nvfp4" and config["hadamard"] is False
+
+
+def test_compare_rerun_reuses_finished_runs_and_refuses_other_configs(compared, capsys):
+    out, args = compared
+    assert main(args) == 0
+    assert "nvfp4: finished run found" in capsys.readouterr().out
+    assert main([*args, "--lr", "0.01"]) == 2
+    assert "holds a run with another config (lr: 0.003 there, 0.01 now)" in capsys.readouterr().err
+
+
+def test_compare_only_runs_one_variant(tmp_path):
+    args = [
+        "compare",
+        "--quiet",
+        "--out",
+        str(tmp_path),
+        "--recipes",
+        "bf16,mxfp8",
+        "--only",
+        "mxfp8",
+        *FAST,
+    ]
+    assert main(args) == 0
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["mxfp8"]
+    assert not (tmp_path / "report.md").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train", "--recipe", "nvfp5"], "recipe 'nvfp5' does not exist; choose one of bf16"),
+        (["train", "--data", "/no/such/corpus"], "data path '/no/such/corpus' does not exist"),
+        (
+            ["train", "--model", "1b", "--batch-size", "100000"],
+            "choose a smaller --model or --batch-size",
+        ),
+        (["compare", "--recipes", "bf16,fp3"], "recipe 'fp3' does not exist"),
+        (["compare", "--ablate", "dropout"], "ablation 'dropout' does not exist"),
+        (["eval", "--run", "/no/such/run"], "/no/such/run is not a run directory"),
+    ],
+)
+def test_bad_input_gets_one_line_and_status_2(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_python_m_blockscale_trains_resumes_and_evaluates(tmp_path):
+    run = [sys.executable, "-m", "blockscale"]
+    train = [
+        *run,
+        "train",
+        "--quiet",
+        "--out",
+        str(tmp_path),
+        "--steps",
+        "3",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "0",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--max-data-bytes",
+        "100000",
+    ]
+    done = subprocess.run(train, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    summary = next(line for line in done.stdout.splitlines() if line.startswith("{"))
+    assert json.loads(summary)["status"] == "done"
+    longer = subprocess.run(
+        [*run, "train", "--quiet", "--out", str(tmp_path), "--resume", "--steps", "5"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert longer.returncode == 0, longer.stderr
+    steps = [
+        json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps == [1, 2, 3, 4, 5]
+    scored = subprocess.run(
+        [*run, "eval", "--run", str(tmp_path), "--max-tokens", "4096"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert scored.returncode == 0, scored.stderr
+    assert "step_000005" in scored.stdout and "bits/byte" in scored.stdout
