@@ -2,7 +2,9 @@
 
 Every `TrainConfig` field is a flag of `train` and `compare` (see blockscale/train/config.py or
 `blockscale train --help`). Bad input (a missing file, an unknown recipe, a model too large for
-the device, a corrupt checkpoint) ends with one line on stderr and exit status 2.
+the device, a corrupt checkpoint) ends with one line on stderr and exit status 2; a run that
+stopped early (Ctrl-C, `--max-minutes`) exits with 3: run the same command (train: with
+`--resume`) to continue it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pathlib import Path
 
 from blockscale.train.config import TrainConfig, add_config_flags, overrides_from_args
 from blockscale.train.errors import UsageError
+
+STOPPED = 3  # exit status of a run paused or interrupted before its last step: rerun to continue
 
 
 def _timestamp() -> str:
@@ -45,7 +49,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     summary = train(cfg, out, resume=args.resume, progress=not args.quiet)
     print(json.dumps({k: v for k, v in summary.items() if k != "recipe_detail"}))
     print(f"run directory: {out}")
-    return 0 if summary["status"] in ("done", "paused") else 1
+    return {"done": 0, "diverged": 1}.get(summary["status"], STOPPED)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -54,7 +58,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     cfg = TrainConfig(**overrides_from_args(args))
     out = Path(args.out or f"runs/compare-{_timestamp()}")
-    report = compare(
+    report, finished = compare(
         cfg,
         out,
         _csv(args.recipes),
@@ -65,7 +69,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         args.report_only,
     )
     if report is None:
-        return 0
+        return 0 if finished else STOPPED
     print()
     print(format_table(json.loads((out / "report.json").read_text())["table"]))
     print(f"\nreport: {report}")

@@ -7,12 +7,14 @@
 #                                          NVFP4 run: checks the whole pipeline on CUDA (~1-2 min)
 #   scripts/study.sh list                  the variant names
 #   scripts/study.sh run DATA OUT [NAME]   one variant (or all in turn); each call stops cleanly
-#                                          after MAX_MINUTES, rerun the same command to continue
+#                                          after MAX_MINUTES with exit status 3: rerun the same
+#                                          command to continue (status 0: finished)
 #   scripts/study.sh report DATA OUT       report.md, plots and report.json from the runs so far
 #   scripts/study.sh pack OUT DEST         DEST/study.tar.gz: reports, metrics, configs (no checkpoints)
 #
 # Environment: PYTHON (python3), STEPS (4000: 4000 x 32 x 1024 = 131M tokens per run),
-# BATCH (32), LR (1e-3), MAX_MINUTES (8.5), COMPILE (1), SEED (0).
+# BATCH (32), LR (1e-3), MAX_MINUTES (8.5), COMPILE (1), SEED (0), MODEL (small; tiny checks
+# the script itself on a CPU).
 # Two GPUs: CUDA_VISIBLE_DEVICES=0 scripts/study.sh run DATA OUT bf16 &
 #           CUDA_VISIBLE_DEVICES=1 scripts/study.sh run DATA OUT nvfp4 & wait
 set -euo pipefail
@@ -21,7 +23,7 @@ PYTHON=${PYTHON:-python3}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 VARIANTS="bf16 nvfp4 mxfp8 nvfp4_fwd_mxfp8_bwd bf16-seed$((${SEED:-0} + 1)) nvfp4-no-hadamard nvfp4-no-stochastic-rounding nvfp4-no-weight-2d nvfp4-no-bf16-tail"
 
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 2; }
 abspath() { if [ "$1" = stdlib ]; then echo stdlib; else realpath -m "$1"; fi; }
 blockscale() { (cd "$REPO" && PYTHONUNBUFFERED=1 "$PYTHON" -m blockscale "$@"); }
 
@@ -39,7 +41,7 @@ esac
 data=$(abspath "$2"); out=$(abspath "$3"); name=${4:-}
 
 # The comparison: every call passes the same flags, so every run of it has the same config.
-COMPARE=(compare --model small --data "$data" --seed "${SEED:-0}" --noise-floor
+COMPARE=(compare --model "${MODEL:-small}" --data "$data" --seed "${SEED:-0}" --noise-floor
          --recipes bf16,nvfp4,mxfp8,nvfp4_fwd_mxfp8_bwd
          --ablate hadamard,stochastic_rounding,weight_2d,bf16_tail)
 
@@ -48,7 +50,7 @@ if [ "$mode" = smoke ]; then
     blockscale "${COMPARE[@]}" --out "$out" --quiet --steps 20 --batch-size 8 --seq-len 256 \
         --warmup-steps 5 --log-every 5 --eval-every 10 --eval-tokens 65536 --telemetry-every 10 \
         --keep-checkpoints 1
-    blockscale train --model small --data "$data" --recipe nvfp4 --out "$out/compiled-nvfp4" --quiet \
+    blockscale train --model "${MODEL:-small}" --data "$data" --recipe nvfp4 --out "$out/compiled-nvfp4" --quiet \
         --steps 10 --batch-size 8 --seq-len 256 --warmup-steps 2 --log-every 5 --eval-every 10 \
         --eval-tokens 65536 --telemetry-every 5 --keep-checkpoints 1 --compile
     echo "smoke run finished: $out/report.md"
@@ -63,10 +65,11 @@ STUDY=(--steps "${STEPS:-4000}" --batch-size "${BATCH:-32}" --seq-len 1024 --lr 
 
 case "$mode" in
 run)
-    if [ -n "$name" ]; then
-        blockscale "${COMPARE[@]}" "${STUDY[@]}" --out "$out" --only "$name"
-    else
-        blockscale "${COMPARE[@]}" "${STUDY[@]}" --out "$out"
-    fi ;;
+    only=(); [ -n "$name" ] && only=(--only "$name")
+    status=0
+    blockscale "${COMPARE[@]}" "${STUDY[@]}" --out "$out" --quiet "${only[@]}" || status=$?
+    # Exit status 3: stopped cleanly after MAX_MINUTES with a checkpoint.
+    [ "$status" = 3 ] && echo "paused after ${MAX_MINUTES:-8.5} min: run the same command again to continue"
+    exit "$status" ;;
 report) blockscale "${COMPARE[@]}" "${STUDY[@]}" --out "$out" --report-only --quiet ;;
 esac

@@ -164,3 +164,10 @@ def test_python_m_blockscale_trains_resumes_and_evaluates(tmp_path):
     )
     assert scored.returncode == 0, scored.stderr
     assert "step_000005" in scored.stdout and "bits/byte" in scored.stdout
+
+
+def test_a_paused_run_exits_3_and_resumes_to_0(tmp_path):
+    args = ["train", "--quiet", "--out", str(tmp_path), "--steps", "3", "--eval-every", "0"]
+    args += ["--seq-len", "32", "--batch-size", "2", "--max-data-bytes", "100000"]
+    assert main([*args, "--max-minutes", "1e-9"]) == 3
+    assert main([*args, "--resume", "--max-minutes", "0"]) == 0

@@ -31,6 +31,7 @@ from blockscale.train.errors import UsageError
 from blockscale.train.loop import train
 from blockscale.train.report import write_report
 
+FINISHED = ("done", "diverged")
 DEFAULT_RECIPES = ("bf16", "nvfp4", "mxfp8", "nvfp4_fwd_mxfp8_bwd")
 ABLATIONS = {
     "hadamard": {"hadamard": False},
@@ -100,26 +101,26 @@ def compare(
     only: str | None = None,
     progress: bool = True,
     report_only: bool = False,
-) -> Path | None:
-    """Run every variant (or just `only`) and write the report; returns the report's path.
-    `report_only` trains nothing and reports the runs that exist, finished or not."""
+) -> tuple[Path | None, bool]:
+    """Run every variant (or just `only`) and write the report. Returns (the report's path or
+    None, whether every run it trained finished). `report_only` trains nothing and reports the
+    runs that exist, finished or not."""
     out = Path(out)
     runs = variants(base, list(names), list(ablate), noise_floor)
     if report_only:
         present = [name for name in runs if (out / "runs" / name / "config.json").exists()]
         if not present:
             raise UsageError(f"{out} holds none of this comparison's runs ({', '.join(runs)})")
-        return write_report(out, present)
+        return write_report(out, present), True
     if only is not None:
         if only not in runs:
             raise UsageError(
                 f"--only {only!r} is not one of this comparison's runs: {', '.join(runs)}"
             )
-        run_variant(only, runs[only], out, progress)
-        return None
+        return None, run_variant(only, runs[only], out, progress)["status"] in FINISHED
     for name, cfg in runs.items():
         summary = run_variant(name, cfg, out, progress)
-        if summary["status"] not in ("done", "diverged"):
+        if summary["status"] not in FINISHED:
             print(f"{name} stopped ({summary['status']}); rerun the same command to continue")
-            return None
-    return write_report(out, list(runs))
+            return None, False
+    return write_report(out, list(runs)), True

@@ -233,7 +233,10 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                 excluded += time.perf_counter() - t0
                 if (stop.requested or out_of_time) and not last:
                     status = "interrupted" if stop.requested else "paused"
-                    _say(f"stopped at step {done} ({status}); continue with --resume", bar)
+                    _say(
+                        f"stopped at step {done} ({status}); rerun to continue (train: --resume)",
+                        bar,
+                    )
                     break
     except torch.OutOfMemoryError:
         raise UsageError(
