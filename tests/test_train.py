@@ -232,3 +232,22 @@ def test_config_round_trips_through_json(tmp_path):
     cfg.save(tmp_path / "config.json")
     assert TrainConfig.load(tmp_path / "config.json") == cfg
     assert json.loads((tmp_path / "config.json").read_text())["hadamard"] is False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_runs_every_recipe_under_bf16_autocast(tmp_path, compile):
+    for recipe in ("bf16", "nvfp4", "mxfp8", "nvfp4_fwd_mxfp8_bwd"):
+        cfg = dataclasses.replace(SHORT, recipe=recipe, device="cuda", compile=compile, steps=12)
+        summary = train(cfg, tmp_path / recipe, progress=False)
+        assert summary["status"] == "done" and summary["peak_memory_gib"] > 0
+        train_losses = losses(tmp_path / recipe)
+        assert all(math.isfinite(v) for v in train_losses) and train_losses[-1] < train_losses[0]
+        if recipe != "bf16":
+            sqnr = [
+                s["sqnr_db"]
+                for r in rows(tmp_path / recipe, "telemetry")
+                for layer in r["layers"].values()
+                for s in layer.values()
+            ]
+            assert sqnr and all(12 < v < 40 for v in sqnr)
