@@ -114,7 +114,10 @@ def parser() -> argparse.ArgumentParser:
         help=f"comma-separated NVFP4 features to switch off, one run each: {', '.join(ABLATIONS)}",
     )
     compare.add_argument(
-        "--noise-floor", action="store_true", help="add a second BF16 run with seed+1"
+        "--noise-floor",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="add a second BF16 run with seed+1, the noise a gap must beat [on]",
     )
     compare.add_argument(
         "--only", help="run just this one variant (e.g. nvfp4-no-hadamard) and write no report"

@@ -49,6 +49,7 @@ def test_compare_writes_the_report_with_its_plots(compared, capsys):
         "nvfp4",
         "mxfp8",
         "nvfp4_fwd_mxfp8_bwd",
+        "bf16-seed1",
         "nvfp4-no-hadamard",
         "nvfp4-no-bf16-tail",
     ]
@@ -60,13 +61,14 @@ def test_compare_writes_the_report_with_its_plots(compared, capsys):
     for name in names:
         assert f"| {name} |" in report and name in printed
     pngs = {"loss_curves.png", "gap_to_bf16.png"} | {
-        f"telemetry_{n}.png" for n in names if n != "bf16"
+        f"telemetry_{n}.png" for n in names if not n.startswith("bf16")
     }
     assert pngs <= {p.name for p in out.iterdir()}
     for png in pngs:
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({png})" in report
     table = {row["run"]: row for row in json.loads((out / "report.json").read_text())["table"]}
     assert table["bf16"]["gap_pct"] == 0.0
+    assert f"Noise floor: `bf16-seed1` ends {table['bf16-seed1']['gap_pct']:+.2f}%" in report
     assert all(row["status"] == "done" and row["val_loss"] > 0 for row in table.values())
     # The ablation differs from the full recipe in its one switch only.
     config = json.loads((out / "runs" / "nvfp4-no-hadamard" / "config.json").read_text())

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from blockscale.models import SIZES
 from blockscale.train.loop import read_metrics
 
 BASELINE = "bf16"
@@ -313,6 +314,12 @@ def write_report(out: Path, names: list[str]) -> Path:
         "",
         _markdown_table(HEADER, [_cells(r) for r in rows]),
         "",
+        *[
+            f"Noise floor: `{r['run']}` ends {r['gap_pct']:+.2f}% from `bf16` with nothing but "
+            "another seed; a recipe's gap of that size or less is noise.\n"
+            for r in rows
+            if r["run"].startswith(BASELINE + "-seed") and r["gap_pct"] is not None
+        ],
         plot_note,
     ]
     for caption, file in plots:
@@ -358,6 +365,4 @@ def write_report(out: Path, names: list[str]) -> Path:
 
 
 def _model_seq_len(model: str) -> int:
-    from blockscale.models import SIZES
-
     return SIZES[model].seq_len
