@@ -48,8 +48,10 @@ TILE_TABLES = {
 
 SHAPE = (16384, 8192)
 QUICK_SHAPE = (128, 256)
-SWEEP = [(64, 64, 4), (32, 128, 4), (64, 128, 8), (128, 64, 8), (32, 64, 2), (128, 128, 8)]
-AMAX_SWEEP = [(64, 64, 4, 8), (64, 128, 8, 8), (128, 64, 8, 4), (32, 128, 4, 16)]
+SWEEP = [(64, 128, 8), (32, 128, 8), (64, 64, 4), (64, 64, 8)]
+# Families whose tiles an earlier sweep settled (docs/LOG.md): not swept again by default.
+SETTLED = {"amax:plain", "nvfp4:row", "mxfp8:row"}
+AMAX_SWEEP = [(32, 128, 4, 16), (64, 64, 4, 2), (32, 64, 4, 4)]
 
 
 def make_input(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
@@ -77,19 +79,19 @@ def cases(x: torch.Tensor) -> list[tuple[str, str, Callable[[], Any], float]]:
         ("nvfp4 1x16 rowwise", "nvfp4:row", lambda: kernels.nvfp4_quantize(x, amax=amax), nv1),
         (
             "nvfp4 1x16 rowwise + dq",
-            "nvfp4:row",
+            "nvfp4:row_dq",
             lambda: kernels.nvfp4_quantize(x, amax=amax, return_dq=True),
             nv1 + 2 * n,
         ),
         (
             "nvfp4 1x16 rowwise SR + dq",
-            "nvfp4:row",
+            "nvfp4:row_dq",
             lambda: kernels.nvfp4_quantize(x, amax=amax, rounding="stochastic", return_dq=True),
             nv1 + 2 * n,
         ),
         (
             "nvfp4 16x16 weight + dq",
-            "nvfp4:row",
+            "nvfp4:row_dq",
             lambda: kernels.nvfp4_quantize(x, block="16x16", amax=amax, return_dq=True),
             nv1 + 2 * n,
         ),
@@ -115,13 +117,13 @@ def cases(x: torch.Tensor) -> list[tuple[str, str, Callable[[], Any], float]]:
         ),
         (
             "nvfp4 both (row + col RHT) + dq",
-            "nvfp4:both",
+            "nvfp4:both_dq",
             lambda: kernels.nvfp4_quantize_both(x, {"amax": amax}, col, return_dq=True),
             2 * nv1 - 2 * n + 4 * n,
         ),
         (
             "nvfp4 both SR (grad_output) + dq",
-            "nvfp4:both",
+            "nvfp4:both_dq",
             lambda: kernels.nvfp4_quantize_both(
                 x, {"amax": amax, "rounding": "stochastic"}, col_sr, return_dq=True
             ),
@@ -156,7 +158,7 @@ def cases(x: torch.Tensor) -> list[tuple[str, str, Callable[[], Any], float]]:
         ("mxfp8 both", "mxfp8:both", lambda: kernels.mxfp8_quantize_both(x), 2 * mx1 - 2 * n),
         (
             "mxfp8 both + dq",
-            "mxfp8:both",
+            "mxfp8:both_dq",
             lambda: kernels.mxfp8_quantize_both(x, return_dq=True),
             2 * mx1 - 2 * n + 4 * n,
         ),
@@ -205,7 +207,7 @@ def sweep(x, device, warmup, reps) -> dict[str, tuple]:
     best: dict[str, tuple] = {}
     seen = set()
     for name, family, fn, _ in cases(x):
-        if family == "-" or family in seen:
+        if family == "-" or family in seen or family in SETTLED:
             continue
         seen.add(family)
         options = AMAX_SWEEP if family.startswith("amax") else SWEEP
@@ -213,7 +215,7 @@ def sweep(x, device, warmup, reps) -> dict[str, tuple]:
         for cfg in options:
             set_tiles(family, cfg)
             try:
-                t = measure(fn, device, warmup, reps, eager=False).median_ms
+                t = measure(fn, device, warmup, max(10, reps // 3), eager=False).median_ms
             except Exception as e:  # a config the compiler rejects (e.g. out of resources)
                 print(f"  {family} {cfg}: failed ({type(e).__name__}: {str(e)[:80]})")
                 continue

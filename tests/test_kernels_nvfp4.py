@@ -102,7 +102,7 @@ def test_rounding_edges_and_signs():
     blocks = torch.tensor(vals, dtype=torch.float32).reshape(-1, 15)
     x = torch.cat((torch.full((blocks.shape[0], 1), 6.0), blocks), 1).reshape(1, -1)
     x = x.expand(16, -1).contiguous().to(DEV)
-    amax = torch.tensor(2688.0)
+    amax = torch.tensor(2688.0, device=DEV)
     for block in ("1x16", "16x16"):
         q, dq = kernels.nvfp4_quantize(x, block=block, amax=amax, return_dq=True)
         r = nvfp4.quantize(x, block=block, amax=amax)
@@ -115,7 +115,7 @@ def test_scale_edges_zeros_and_given_amax():
     x[:16] = 0  # zero blocks: scale 0, codes 0
     x[16, :16] = 1e-30  # a tiny block next to normal ones: E4M3 subnormal or zero scale
     x[17, :16] = torch.linspace(-3e-3, 3e-3, 16)
-    for amax in (None, torch.tensor(0.0), torch.tensor(1e-3), torch.tensor(1e6)):
+    for amax in (None, *(torch.tensor(a, device=DEV) for a in (0.0, 1e-3, 1e6))):
         q, dq = kernels.nvfp4_quantize(x, amax=amax, return_dq=True)
         r = nvfp4.quantize(x, amax=amax)
         assert_same(q, r)
@@ -142,7 +142,7 @@ def test_both_directions_from_one_read():
         (dict(), dict()),
         (dict(), dict(hadamard=True)),
         (dict(block="16x16"), dict(block="16x16")),
-        (dict(), dict(hadamard=True, amax=torch.tensor(3.0))),
+        (dict(), dict(hadamard=True, amax=torch.tensor(3.0, device=DEV))),
     ]
     for row, col in cases:
         (qr, dqr), (qc, dqc) = kernels.nvfp4_quantize_both(x, row, col, return_dq=True)
@@ -219,7 +219,7 @@ def test_stochastic_is_unbiased():
     torch.manual_seed(0)
     n = 128
     x = randn(16, 64, seed=10, dtype=torch.float32)
-    amax = torch.tensor(2688.0 / 8)  # a round S_enc so the expectation is exact
+    amax = torch.tensor(2688.0 / 8, device=DEV)  # a round S_enc so the expectation is exact
     acc = torch.zeros(16, 64, dtype=torch.float64, device=DEV)
     for _ in range(n):
         acc += kernels.nvfp4_quantize(x, rounding="stochastic", amax=amax).dequantize().double()

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from blockscale.formats import hadamard as rht
 
-FLT_MAX = 3.4028234663852886e38
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 def interpreting() -> bool:
@@ -64,10 +64,11 @@ def abs_bits(x):
 
 @triton.jit
 def round_to_bf16(x):
-    """FP32 -> the FP32 value of its BF16 rounding (nearest, ties to even)."""
+    """FP32 -> the FP32 value of its BF16 rounding (nearest, ties to even). NaN stays NaN
+    (the GPU's canonical NaN 0x7FFFFFFF would carry into the sign bit)."""
     b = x.to(tl.int32, bitcast=True)
-    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-    return b.to(tl.float32, bitcast=True)
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, r)
 
 
 @triton.jit
@@ -75,6 +76,12 @@ def bf16_bits(x):
     """int16 bit pattern of an FP32 value already on the BF16 grid (kernels store `_dq`
     through an int16 view: the interpreter's BF16 cast mangles subnormals)."""
     return (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+
+
+@triton.jit
+def max_keep_nan(a, b):
+    """Combine function for a NaN-propagating max (tl.max would drop NaN on the GPU)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -87,18 +94,14 @@ def min_keep_nan(x, hi):
 def e4m3_code(b):
     """Non-negative FP32 (<= 448, or NaN) -> int32 E4M3 code, round to nearest even.
 
-    Normal results round the 23-bit mantissa to 3 bits; below 2^-6 the quantum is 2^-9 and the
-    code is round(b * 2^9), done as an integer shift with an explicit tie rule."""
+    Normal results round the 23-bit mantissa to 3 bits on the integer bits. Below 2^-6 the
+    quantum is 2^-9: b * 2^9 + 1.5 * 2^23 lands in a binade whose ulp is 1, so the FP32 add
+    rounds b * 2^9 to an integer (nearest even) and the low bits of the sum are the code.
+    (b * 2^9 is exact, so a fused multiply-add gives the same sum.)"""
     bits = b.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - 960
-    expf = bits >> 23
-    mant = (bits & 0x7FFFFF) | tl.where(expf > 0, 0x800000, 0)
-    shift = tl.maximum(tl.minimum(141 - tl.maximum(expf, 1), 31), 1)
-    q = mant >> shift
-    rem = mant - (q << shift)
-    half = 1 << (shift - 1)
-    q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
-    code = tl.where(expf < 121, q, normal)
+    sub = (b * 512.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+    code = tl.where(b < 0.015625, sub, normal)
     return tl.where(b != b, 0x7F, code)
 
 
@@ -141,18 +144,35 @@ def exp2_int(e):
 
 
 @triton.jit
+def _dot16(v, h, R: tl.constexpr, C: tl.constexpr, DOT_F32: tl.constexpr):
+    """v16 @ h for every run of 16 values along the last dim of the [R, C] tile, FP32."""
+    blocks = tl.reshape(v, [R * C // 16, 16])
+    if DOT_F32:
+        y = tl.dot(blocks.to(tl.float32), h, input_precision="ieee", out_dtype=tl.float32)
+    else:
+        y = tl.dot(blocks, h.to(v.dtype), out_dtype=tl.float32)
+    return tl.reshape(y, [R, C])
+
+
+@triton.jit
 def hadamard_16(v, h_ptr, R: tl.constexpr, C: tl.constexpr, DOT_F32: tl.constexpr):
     """y = v16 @ H on every run of 16 values along the last dim of the [R, C] tile, then
     rounded to BF16 (returned as FP32). Products are exact; the FP32 accumulation equals the
     FP64 reference whenever the partial sums are exact (see docs/KERNELS.md)."""
     i = tl.arange(0, 16)
     h = tl.load(h_ptr + i[:, None] * 16 + i[None, :])
-    blocks = tl.reshape(v, [R * C // 16, 16])
-    if DOT_F32:
-        y = tl.dot(blocks.to(tl.float32), h, input_precision="ieee", out_dtype=tl.float32)
-    else:
-        y = tl.dot(blocks, h.to(v.dtype), out_dtype=tl.float32)
-    return round_to_bf16(tl.reshape(y, [R, C]))
+    return round_to_bf16(_dot16(v, h, R, C, DOT_F32))
+
+
+@triton.jit
+def relayout_16(v, R: tl.constexpr, C: tl.constexpr, DOT_F32: tl.constexpr):
+    """v as FP32, unchanged in value (a product with the identity is exact), but in the
+    layout a dot produces. After tl.trans the values of a 16-block sit in different threads;
+    this moves them through shared memory into one thread's registers, which measured far
+    cheaper than the shuffles Triton otherwise emits for the block reductions (docs/LOG.md)."""
+    i = tl.arange(0, 16)
+    eye = (i[:, None] == i[None, :]).to(tl.float32)
+    return _dot16(v, eye, R, C, DOT_F32)
 
 
 @triton.jit

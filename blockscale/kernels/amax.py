@@ -24,7 +24,7 @@ from blockscale.kernels._common import (
 
 # (BM, BK, num_warps, tiles per program) for the plain and the Hadamard amax: each program
 # reduces its tiles in registers, then does one atomic per result.
-TILES = {"plain": (64, 64, 4, 8), "hadamard": (64, 64, 4, 8)}
+TILES = {"plain": (32, 128, 4, 16), "hadamard": (32, 128, 4, 16)}
 
 
 @triton.jit

@@ -19,11 +19,13 @@ from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.kernels._common import (
     abs_bits,
     bf16_bits,
+    dot_in_fp32,
     e4m3_byte_value,
     e4m3_code_signed,
     exp2_int,
     interpreting,
     min_keep_nan,
+    relayout_16,
     round_to_bf16,
 )
 
@@ -51,17 +53,18 @@ def _mx_tile(v, R: tl.constexpr, C: tl.constexpr, HW_FP8: tl.constexpr):
     ecode = tl.where(finite, e + 127, 255)
     w = vb * exp2_int(-e)[:, :, None]
     w = tl.where(w < -448.0, -448.0, min_keep_nan(w, 448.0))
+    code = e4m3_code_signed(w)
     if HW_FP8:
-        byte = w.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        # The hardware conversion (RNE, like the integer path) for the stored bytes. The
+        # integer codes above feed the dq: reading the converted bytes back as integers gave
+        # wrong values on sm_90 with Triton 3.6 (docs/LOG.md), the stored bytes did not.
+        byte = w.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
-        byte = e4m3_code_signed(w)
+        byte = code.to(tl.uint8)
     scale = tl.where(finite, exp2_int(e), float("nan"))
-    dq = round_to_bf16(e4m3_byte_value(byte) * scale[:, :, None])
-    return (
-        tl.reshape(byte, [R, C]).to(tl.uint8),
-        ecode.to(tl.uint8),
-        tl.reshape(dq, [R, C]),
-    )
+    dq = round_to_bf16(e4m3_byte_value(code) * scale[:, :, None])
+    finite_tile = tl.max(tl.max(abs_bits(block_amax), axis=1), axis=0) < 0x7F800000
+    return tl.reshape(byte, [R, C]), ecode.to(tl.uint8), tl.reshape(dq, [R, C]), finite_tile
 
 
 @triton.jit
@@ -88,6 +91,7 @@ def _mxfp8_quantize_kernel(
     x_ptr, stride_m, stride_k, M, K,
     data_ptr, scale_ptr, dq_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
     ROW: tl.constexpr, COL: tl.constexpr, DQ: tl.constexpr, HW_FP8: tl.constexpr,
+    DOT_F32: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     m0 = tl.program_id(0) * BM
@@ -97,19 +101,35 @@ def _mxfp8_quantize_kernel(
     mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
     x = tl.load(
         x_ptr + offs_m[:, None] * stride_m + offs_k[None, :] * stride_k, mask=mask, other=0.0
-    ).to(tl.float32)
+    )
     if ROW:
-        byte, ecode, dq = _mx_tile(x, BM, BK, HW_FP8)
+        byte, ecode, dq, _ = _mx_tile(x.to(tl.float32), BM, BK, HW_FP8)
         _store_mx(byte, ecode, dq, data_ptr, scale_ptr, dq_ptr, m0, k0, M, K, BM, BK, DQ)
     if COL:
-        byte_t, ecode_t, dq_t = _mx_tile(tl.trans(x), BK, BM, HW_FP8)
-        _store_mx(
-            byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr, k0, m0, K, M, BK, BM, DQ
-        )
+        # The identity product moves each 32-block into one thread (docs/LOG.md); Inf * 0
+        # in it makes NaN, so a tile with Inf or NaN is redone from the plain transpose.
+        xt = tl.trans(x)
+        byte_t, ecode_t, dq_t, finite = _mx_tile(relayout_16(xt, BK, BM, DOT_F32), BK, BM, HW_FP8)
+        if finite:
+            _store_mx(
+                byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr, k0, m0, K, M, BK, BM, DQ
+            )
+        else:
+            byte_t, ecode_t, dq_t, _ = _mx_tile(xt.to(tl.float32), BK, BM, HW_FP8)
+            _store_mx(
+                byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr, k0, m0, K, M, BK, BM, DQ
+            )
 
 
 # (BM, BK, num_warps) per kind of launch (docs/KERNELS.md); the benchmark may sweep these.
-TILES = {"row": (64, 64, 4), "col": (64, 64, 4), "both": (64, 64, 4)}
+TILES = {
+    "row": (64, 128, 8),
+    "row_dq": (32, 128, 8),
+    "col": (64, 64, 4),
+    "col_dq": (64, 64, 8),
+    "both": (64, 64, 4),
+    "both_dq": (32, 128, 8),
+}
 
 
 def _outputs(rows: int, cols: int, device, dq: bool):
@@ -131,12 +151,13 @@ def _mxfp8_quantize_2d(
     data, scale, dq_r = _outputs(M, K, dev, dq) if row else _outputs(0, 0, dev, False)
     data_t, scale_t, dq_c = _outputs(K, M, dev, dq) if col else _outputs(0, 0, dev, False)
     if M and K and (row or col):
-        bm, bk, warps = TILES["both" if row and col else ("col" if col else "row")]
+        kind = ("both" if row and col else ("col" if col else "row")) + ("_dq" if dq else "")
+        bm, bk, warps = TILES[kind]
         grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
         torch.library.wrap_triton(_mxfp8_quantize_kernel)[grid](
             x, x.stride(0), x.stride(1), M, K, data, scale, dq_r.view(torch.int16), data_t, scale_t,
             dq_c.view(torch.int16),
-            ROW=row, COL=col, DQ=dq, HW_FP8=not interpreting(),
+            ROW=row, COL=col, DQ=dq, HW_FP8=not interpreting(), DOT_F32=dot_in_fp32(x),
             BM=bm, BK=bk, num_warps=warps,
         )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c

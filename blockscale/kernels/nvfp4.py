@@ -34,9 +34,11 @@ from blockscale.kernels._common import (
     e4m3_value,
     hadamard_16,
     hadamard_matrix,
+    max_keep_nan,
     min_keep_nan,
     nvfp4_global,
     philox_seed,
+    relayout_16,
     with_sign,
 )
 from blockscale.kernels.amax import amax_fused, amax_of_copy
@@ -48,7 +50,7 @@ BLOCK = 16
 def _philox_uniforms(seed, block_offsets, R: tl.constexpr, NB: tl.constexpr):
     """FP32 uniforms k/256 for an [R, NB, 16] tile: one Philox4x32 draw per 16-value block,
     8 bits per value."""
-    r0, r1, r2, r3 = tl.randint4x(seed, block_offsets)
+    r0, r1, r2, r3 = tl.randint4x(seed, block_offsets, n_rounds=7)
     j = tl.arange(0, 16)[None, None, :]
     w = tl.where(
         j < 8,
@@ -60,54 +62,61 @@ def _philox_uniforms(seed, block_offsets, R: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _e2m1(w, u, SR: tl.constexpr):
-    """Scaled FP32 values -> (int32 codes, FP32 code values), nearest-even or stochastic."""
-    neg = w < 0
+def _e2m1(w, u, SR: tl.constexpr, DQ: tl.constexpr):
+    """Scaled FP32 values -> (int32 magnitude index 0..7, FP32 magnitude on the grid when DQ),
+    nearest-even or stochastic (u: uniforms in [0, 1)). NaN gives garbage here; the caller
+    zeroes NaN blocks.
+
+    The grid has step 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6]: with j = 0, 1, 2 the binade,
+    y = a * 2^(1-j) puts the step at 1 (exact), so rounding y to an integer is rounding a to
+    the grid, and index = round(y) + 2j. Adding 1.5 * 2^23 rounds y to an integer with ties
+    to even; the low bits of the sum are the integer."""
     a = min_keep_nan(tl.abs(w), 6.0)
-    bits = a.to(tl.int32, bitcast=True)
-    big = a >= 1.0
+    j = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, 0)
+    s = ((128 - j) << 23).to(tl.float32, bitcast=True)
+    y = a * s
     if SR:
-        # lo: the grid value at or below a; step: the grid spacing above lo
-        lo_big_bits = bits & -4194304
-        lo_idx = tl.where(big, (bits >> 22) - 252, (a >= 0.5).to(tl.int32))
-        lo = tl.where(big, lo_big_bits.to(tl.float32, bitcast=True), lo_idx.to(tl.float32) * 0.5)
-        inv_step = tl.where(big, ((255 - (bits >> 23)) << 23).to(tl.float32, bitcast=True), 2.0)
-        step = tl.where(big, (((bits >> 23) - 1) << 23).to(tl.float32, bitcast=True), 0.5)
-        up = u < (a - lo) * inv_step
-        idx = lo_idx + up.to(tl.int32)
-        val = tl.where(up, lo + step, lo)
+        # round up with probability frac(y) = (a - lo) / step, exactly as e2m1.round_stochastic
+        f = tl.floor(y)
+        t = f + tl.where(u < y - f, 12582913.0, 12582912.0)
     else:
-        # a >= 1: round the mantissa to one bit (ties to even) on the integer bits
-        r = (bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22
-        small_idx = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32)
-        idx = tl.where(big, r - 252, small_idx)
-        val = tl.where(big, (r << 22).to(tl.float32, bitcast=True), small_idx.to(tl.float32) * 0.5)
-    code = idx | (neg.to(tl.int32) << 3)
-    return code, with_sign(val, neg)
+        t = y + 12582912.0
+    idx = t.to(tl.int32, bitcast=True) - (0x4B400000 - 2 * j)
+    if DQ:
+        mag = (t - 12582912.0) * ((126 + j) << 23).to(tl.float32, bitcast=True)
+    else:
+        mag = 0.0
+    return idx, mag
 
 
 @triton.jit
 def _quantize_tile(
-    v, s_dec, mult, u, R: tl.constexpr, C: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr
-):
+    v, s_dec, mult, u, R: tl.constexpr, C: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr,
+    DQ: tl.constexpr,
+):  # fmt: skip
     """An FP32 [R, C] tile, blocks of 16 along C -> (packed uint8 [R, C/2], E4M3 scale codes
-    uint8 [R, C/16], FP32 dq [R, C] = code value * scale)."""
+    uint8 [R, C/16], FP32 dq [R, C] = code value * scale, whether every value was finite)."""
     NB: tl.constexpr = C // 16
     vb = tl.reshape(v, [R, NB, 16])
-    blk = tl.max(abs_bits(vb), axis=2)
+    block_amax = tl.reduce(tl.abs(vb), 2, max_keep_nan)
     if TWO_D:
-        tile = tl.max(tl.reshape(blk, [R // 16, 16, NB]), axis=1)
-        blk = tl.reshape(tl.broadcast_to(tile[:, None, :], [R // 16, 16, NB]), [R, NB])
-    block_amax = blk.to(tl.float32, bitcast=True)
+        tile = tl.reduce(tl.reshape(block_amax, [R // 16, 16, NB]), 1, max_keep_nan)
+        block_amax = tl.reshape(tl.broadcast_to(tile[:, None, :], [R // 16, 16, NB]), [R, NB])
     b = min_keep_nan(block_amax * mult, 448.0)
     scode = e4m3_code(b)
     sval = e4m3_value(scode)
     enc = min_keep_nan(tl.math.div_rn(tl.full([R, NB], 1.0, tl.float32), sval * s_dec), FLT_MAX)
-    code, val = _e2m1(vb * enc[:, :, None], u, SR)
-    dq = tl.reshape(val * sval[:, :, None], [R, C])
+    w = vb * enc[:, :, None]
+    idx, mag = _e2m1(w, u, SR, DQ)
+    # A NaN block (NaN input or NaN amax) has NaN scaled values: codes 0, as the reference.
+    neg = w < 0.0
+    code = tl.where(sval[:, :, None] == sval[:, :, None], idx | (neg.to(tl.int32) << 3), 0)
+    dq = tl.reshape(with_sign(mag, neg) * sval[:, :, None], [R, C])
     lo, hi = tl.split(tl.reshape(code, [R, C // 2, 2]))
     packed = (lo | (hi << 4)).to(tl.uint8)
-    return packed, scode.to(tl.uint8), dq
+    # on the bits: tl.max over floats drops NaN (GPU and interpreter alike)
+    finite = tl.max(tl.max(abs_bits(block_amax), axis=1), axis=0) < 0x7F800000
+    return packed, scode.to(tl.uint8), dq, finite
 
 
 @triton.jit
@@ -183,22 +192,37 @@ def _nvfp4_quantize_kernel(
     if ROW:
         s_dec, mult = nvfp4_global(tl.load(amax_row_ptr))
         u = _uniforms(seed_ptr, rand_row_ptr, m0, k0, M, K, 0, BM, BK, ROW_SR, RAND_GIVEN)
-        packed, scode, dq = _quantize_tile(x.to(tl.float32), s_dec, mult, u, BM, BK, ROW_2D, ROW_SR)
+        packed, scode, dq, _ = _quantize_tile(
+            x.to(tl.float32), s_dec, mult, u, BM, BK, ROW_2D, ROW_SR, DQ
+        )
         _store_quantized(packed, scode, dq, data_ptr, scale_ptr, dq_ptr, m0, k0, M, K, BM, BK, DQ)
     if COL:
         xt = tl.trans(x)
-        if COL_HAD:
-            vt = hadamard_16(xt, h_ptr, BK, BM, DOT_F32)
-        else:
-            vt = xt.to(tl.float32)
         s_dec_t, mult_t = nvfp4_global(tl.load(amax_col_ptr))
         # Philox counters past the rowwise ones, so the two copies draw independent bits
         base = ((M + 15) // 16) * 16 * (K // 16)
         u_t = _uniforms(seed_ptr, rand_col_ptr, k0, m0, K, M, base, BK, BM, COL_SR, RAND_GIVEN)
-        packed_t, scode_t, dq_t = _quantize_tile(vt, s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR)
-        _store_quantized(
-            packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr, k0, m0, K, M, BK, BM, DQ
+        if COL_HAD:
+            vt = hadamard_16(xt, h_ptr, BK, BM, DOT_F32)
+        else:
+            vt = relayout_16(xt, BK, BM, DOT_F32)
+        packed_t, scode_t, dq_t, finite = _quantize_tile(
+            vt, s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR, DQ
         )
+        if COL_HAD or finite:
+            _store_quantized(
+                packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
+                k0, m0, K, M, BK, BM, DQ,
+            )  # fmt: skip
+        else:
+            # Inf * 0 in the identity product made NaN: redo this tile from the plain transpose.
+            packed_t, scode_t, dq_t, _ = _quantize_tile(
+                xt.to(tl.float32), s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR, DQ
+            )
+            _store_quantized(
+                packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
+                k0, m0, K, M, BK, BM, DQ,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -241,7 +265,16 @@ def _nvfp4_dequantize_kernel(
 
 # (BM, BK, num_warps) per kind of launch; measured on an H100 (docs/KERNELS.md). The
 # benchmark may override these to sweep tile shapes.
-TILES = {"row": (64, 64, 4), "col": (64, 64, 4), "both": (64, 64, 4)}
+# A `_dq` launch keeps twice the values live: tiles of 16 values per thread keep it under
+# ~100 registers (occupancy), where 32 per thread suit the launches without dq.
+TILES = {
+    "row": (64, 128, 8),
+    "row_dq": (32, 128, 8),
+    "col": (64, 64, 4),
+    "col_dq": (64, 64, 8),
+    "both": (64, 64, 4),
+    "both_dq": (64, 64, 8),
+}
 
 
 def _empty_like_spec(rows: int, cols: int, device, dq: bool):
@@ -285,7 +318,9 @@ def _nvfp4_quantize_2d(
         return data, scale, dq_r, data_t, scale_t, dq_c
     rand_given = rand_row is not None or rand_col is not None
     dummy = amax_row
-    bm, bk, warps = TILES["both" if row and col else ("col" if col else "row")]
+    bm, bk, warps = TILES[
+        ("both" if row and col else ("col" if col else "row")) + ("_dq" if dq else "")
+    ]
     grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
     torch.library.wrap_triton(_nvfp4_quantize_kernel)[grid](
         x, x.stride(0), x.stride(1), M, K,
