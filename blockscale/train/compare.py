@@ -9,8 +9,8 @@ feature of the full NVFP4 recipe off, each in its own run:
     weight_2d            nvfp4 with 1x16 instead of 16x16 weight blocks -> nvfp4-no-weight-2d
     bf16_tail            nvfp4 with every block quantized (bf16_tail=0) -> nvfp4-no-bf16-tail
 
-`noise_floor` adds `bf16-seed{seed+1}`, a second BF16 run with another seed: a recipe's gap to
-BF16 smaller than that run's is indistinguishable from noise.
+`noise_floor` (the CLI's default) adds `bf16-seed{seed+1}`, a second BF16 run with another seed:
+a recipe's gap to BF16 no larger than that run's is no evidence of a difference.
 
 Runs live in `OUT/runs/NAME`. A finished run whose config matches is reused, an unfinished one
 is resumed, and one with another config is an error, so rerunning `compare` after a crash or a

@@ -316,7 +316,8 @@ def write_report(out: Path, names: list[str]) -> Path:
         "",
         *[
             f"Noise floor: `{r['run']}` ends {r['gap_pct']:+.2f}% from `bf16` with nothing but "
-            "another seed; a recipe's gap of that size or less is noise.\n"
+            "another seed. That is one sample of the seed-to-seed spread: a recipe's gap of "
+            "similar size is no evidence of a difference.\n"
             for r in rows
             if r["run"].startswith(BASELINE + "-seed") and r["gap_pct"] is not None
         ],

@@ -15,8 +15,8 @@ with its transformed value, since that is what the GEMM consumes.
 Why a separate probe rather than hooks on the training step: the training step stays untouched
 (and compiled, if `--compile`), the probe runs the uncompiled module, and it runs inside
 `torch.random.fork_rng`, so stochastic rounding in the probe draws no random numbers from the
-training stream. With or without telemetry a run computes the same losses. The cost is one
-forward and backward every N steps plus the quantizations, about 1% at N = 100.
+training stream. With or without telemetry a run computes the same losses. A probe costs about
+two training steps (one forward and backward plus the quantizations), so 2% at N = 100.
 """
 
 from __future__ import annotations
