@@ -2,15 +2,18 @@
 the one-line errors for bad input."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from blockscale.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 FAST = [
     "--steps",
     "8",
@@ -31,6 +34,16 @@ FAST = [
     "--max-data-bytes",
     "200000",
 ]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_cpu_thread():
+    """tiny's matrices are too small to gain from a second thread, and two OpenMP threads slow
+    down several times over when another process shares the cores: train on one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +154,9 @@ def test_python_m_blockscale_trains_resumes_and_evaluates(tmp_path):
         "--max-data-bytes",
         "100000",
     ]
-    done = subprocess.run(train, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        train, cwd=ROOT, capture_output=True, text=True, timeout=120, env=ONE_THREAD
+    )
     assert done.returncode == 0, done.stderr
     summary = next(line for line in done.stdout.splitlines() if line.startswith("{"))
     assert json.loads(summary)["status"] == "done"
@@ -151,6 +166,7 @@ def test_python_m_blockscale_trains_resumes_and_evaluates(tmp_path):
         capture_output=True,
         text=True,
         timeout=120,
+        env=ONE_THREAD,
     )
     assert longer.returncode == 0, longer.stderr
     steps = [
@@ -163,6 +179,7 @@ def test_python_m_blockscale_trains_resumes_and_evaluates(tmp_path):
         capture_output=True,
         text=True,
         timeout=120,
+        env=ONE_THREAD,
     )
     assert scored.returncode == 0, scored.stderr
     assert "step_000005" in scored.stdout and "bits/byte" in scored.stdout

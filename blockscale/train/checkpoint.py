@@ -4,7 +4,8 @@ A checkpoint holds everything a resumed run needs to continue bit for bit:
 
 - `model.safetensors`: the model's parameters (tied weights handled by `save_model`);
 - `trainer.safetensors`: AdamW's state tensors, the torch RNG states (stochastic rounding draws
-  from them), and in its metadata the step, the optimizer's param groups and the run's clocks.
+  from them), and in its metadata the step, the optimizer's param groups and the loop's own
+  state (the loss summed since the last metrics row).
 
 The learning rate is a function of the step and batches are a function of (seed, step), so the
 schedule and the data loader need no state of their own. A checkpoint is written into a

@@ -111,10 +111,10 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     cfg.save(run_dir / "config.json")
     (run_dir / "summary.json").unlink(missing_ok=True)
 
-    start = 0
+    start, partial = 0, {"loss_sum": 0.0, "loss_steps": 0}
     ckpts = checkpoint.checkpoint_dirs(run_dir)
     if resume and ckpts:
-        start, _ = checkpoint.load(ckpts[-1], model, optimizer)
+        start, partial = checkpoint.load(ckpts[-1], model, optimizer)
     metrics.truncate_after(start if start else -1)  # a fresh start keeps no rows
 
     step_model = torch.compile(model) if cfg.compile else model
@@ -147,7 +147,10 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
         run_telemetry(0)
 
     status, step, started = "done", start, time.perf_counter()
-    loss_sum, loss_steps = torch.zeros((), device=device), 0
+    # The loss of the steps since the last row; a checkpoint carries it over, so a resumed run
+    # writes the same mean loss in its next row as an uninterrupted one.
+    loss_sum = torch.tensor(partial["loss_sum"], device=device)
+    loss_steps, timed_steps = partial["loss_steps"], 0
     clock, excluded = time.perf_counter(), 0.0
     try:
         with _StopRequest() as stop:
@@ -172,6 +175,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 loss_steps += 1
+                timed_steps += 1
                 done = step + 1
                 last = done == cfg.steps
                 if bar is not None:
@@ -188,7 +192,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                         "lr": lr,
                         "grad_norm": grad_norm.item(),
                         "tokens": done * tokens_per_step,
-                        "tokens_per_s": loss_steps * tokens_per_step / seconds,
+                        "tokens_per_s": timed_steps * tokens_per_step / seconds,
                     }
                     metrics.write(row)
                     if bar is not None:
@@ -196,7 +200,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                             loss=f"{mean_loss:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}"
                         )
                     loss_sum.zero_()
-                    loss_steps, clock, excluded = 0, now, 0.0
+                    loss_steps, timed_steps, clock, excluded = 0, 0, now, 0.0
                     if not math.isfinite(mean_loss):
                         status = "diverged"
                         _say(f"step {done}: loss is {mean_loss}; stopping (the run diverged)", bar)
@@ -227,7 +231,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                         done,
                         model,
                         optimizer,
-                        {"recipe": recipe.name},
+                        {"loss_sum": loss_sum.item(), "loss_steps": loss_steps},
                         cfg.keep_checkpoints,
                     )
                 excluded += time.perf_counter() - t0
