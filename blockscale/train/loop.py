@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import blockscale.nn as bsnn
+from blockscale.ops import EXACT_INDUCTOR_OPTIONS
 from blockscale.train import build, checkpoint, telemetry
 from blockscale.train.config import TrainConfig
 from blockscale.train.data import Batches, load_corpus
@@ -117,7 +118,9 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
         start, partial = checkpoint.load(ckpts[-1], model, optimizer)
     metrics.truncate_after(start if start else -1)  # a fresh start keeps no rows
 
-    step_model = torch.compile(model) if cfg.compile else model
+    # Inductor's default fast math (approximate division, dropped BF16 round trips, FMA) would
+    # move quantization codes; these options keep eager's numerics, for every recipe alike.
+    step_model = torch.compile(model, options=EXACT_INDUCTOR_OPTIONS) if cfg.compile else model
     autocast = build.autocast_for(device)
     schedule = bsnn.PrecisionSchedule(cfg.steps, cfg.bf16_final_fraction)
     quantized_now = None
