@@ -59,6 +59,8 @@ from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.gemm.dispatch import Backend, Transposed, resolve_backend, scaled_mm
 from blockscale.ops.quantize import (
     HighPrecisionTensor,
+    MXFP8Operand,
+    NVFP4Operand,
     QuantizedOperand,
     quantize_operand,
     quantize_rows_and_tokens,
@@ -116,9 +118,9 @@ def _load(tensors: tuple[torch.Tensor, ...], meta: tuple[Any, ...]) -> Operand |
     if kind == "t":
         return Transposed(_load(tensors, meta[1]))  # type: ignore[arg-type]
     if kind == "nvfp4":
-        return NVFP4Tensor(*tensors, shape=meta[1], block=meta[2], hadamard=meta[3])
+        return NVFP4Operand(*tensors, shape=meta[1], block=meta[2], hadamard=meta[3])
     if kind == "mxfp8":
-        return MXFP8Tensor(*tensors, shape=meta[1])
+        return MXFP8Operand(*tensors, shape=meta[1])
     if kind == "hp":
         return HighPrecisionTensor(tensors[0])
     return None
@@ -156,7 +158,7 @@ class _Linear(torch.autograd.Function):
         with torch.autocast(input.device.type, enabled=False):
             wgrad_cfg = recipe.grad_weight.input_t if ctx.needs_input_grad[1] else None
             x_lp, input_t = quantize_rows_and_tokens(x, recipe.output.input, wgrad_cfg)
-            w_lp = quantize_operand(weight, recipe.output.weight)
+            w_lp = quantize_operand(weight, recipe.output.weight, dq=True)
             out = _mm(x_lp, w_lp, out_dtype, out_dtype, backend, bias)
 
             weight_for_dgrad: Operand | None = None
@@ -188,6 +190,7 @@ class _Linear(torch.autograd.Function):
                 go,
                 recipe.grad_input.grad_output if ctx.needs_input_grad[0] else None,
                 recipe.grad_weight.grad_output_t if ctx.needs_input_grad[1] else None,
+                tokens_dq=True,
             )
             if ctx.needs_input_grad[0]:
                 weight_t = _load(saved[:n], ctx.weight_meta)

@@ -10,6 +10,13 @@ activation (input in the forward, grad_output in the backward): one along its fe
 the GEMM at hand, one along tokens for grad_weight. It is the seam for a kernel that reads x
 once and writes both copies; today it calls `quantize_operand` twice.
 
+Quantizers: on CUDA tensors the Triton kernels of `blockscale/kernels/` (bit-exact to
+formats/ for nearest rounding; stochastic rounding draws Philox bits seeded from PyTorch's
+generator), elsewhere the formats/ references. Callers that feed a GEMM right away ask for
+`dq=True`: the kernel then writes the exact BF16 `_dq` operand in the same pass, and the
+returned `NVFP4Operand` / `MXFP8Operand` hands it to the GEMM; copies saved for backward skip
+it and rebuild it there with the dequantize kernel.
+
 Every result has `.dq(dtype)` (the exact GEMM operand without the global scale) and
 `.dequantize(dtype)`. A BF16 config quantizes nothing: it returns a `HighPrecisionTensor` that
 holds the tensor itself (transposed as a view), so callers need no special case for it.
@@ -20,7 +27,9 @@ blocks then run along the tokens, the layout the grad_weight operands need.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -48,23 +57,80 @@ class HighPrecisionTensor:
         return self.data.to(dtype)
 
 
+@functools.cache
+def _kernels() -> ModuleType | None:
+    """blockscale.kernels, or None where Triton is not installed (CPU-only installs)."""
+    try:
+        from blockscale import kernels
+    except ImportError:
+        return None
+    return kernels
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """Whether `x` is quantized by the Triton kernels: CUDA tensors, when Triton is there."""
+    return x.is_cuda and _kernels() is not None
+
+
+@dataclass
+class NVFP4Operand(NVFP4Tensor):
+    """An NVFP4Tensor whose `_dq` the kernels provide: written by the quantize pass, or built
+    by the dequantize kernel on demand (never cached, so saved copies stay packed)."""
+
+    dq_bf16: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def dq(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        if self.dq_bf16 is not None:
+            return self.dq_bf16.to(dtype)
+        if use_kernels(self.data):
+            return _kernels().nvfp4_dequantize_dq(self).to(dtype)
+        return super().dq(dtype)
+
+
+@dataclass
+class MXFP8Operand(MXFP8Tensor):
+    """An MXFP8Tensor that may carry its exact BF16 `_dq` from the quantize kernel."""
+
+    dq_bf16: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def dq(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        if self.dq_bf16 is not None:
+            return self.dq_bf16.to(dtype)
+        return super().dq(dtype)
+
+
+def as_operand(q: NVFP4Tensor | MXFP8Tensor, dq: torch.Tensor | None = None):
+    """Wrap a formats container (and its precomputed `_dq`, if any) as a GEMM operand."""
+    if isinstance(q, NVFP4Tensor):
+        return NVFP4Operand(q.data, q.scale, q.amax, q.shape, q.block, q.hadamard, dq)
+    return MXFP8Operand(q.data, q.scale, q.shape, dq)
+
+
 QuantizedOperand = NVFP4Tensor | MXFP8Tensor | HighPrecisionTensor
 
 
+def _nvfp4_options(config: OperandConfig) -> dict:
+    return {"block": config.block, "rounding": config.rounding.value}
+
+
 def _quantize_nvfp4(
-    x: torch.Tensor, config: OperandConfig, transpose: bool, generator: torch.Generator | None
+    x: torch.Tensor,
+    config: OperandConfig,
+    transpose: bool,
+    generator: torch.Generator | None,
+    dq: bool,
 ) -> NVFP4Tensor:
-    return nvfp4.quantize(
-        x,
-        block=config.block,
-        rounding=config.rounding.value,
-        hadamard=config.hadamard,
-        transpose=transpose,
-        generator=generator,
-    )
+    options = dict(_nvfp4_options(config), hadamard=config.hadamard, transpose=transpose)
+    if use_kernels(x):
+        out = _kernels().nvfp4_quantize(x, generator=generator, return_dq=dq, **options)
+        return as_operand(*out) if dq else as_operand(out)
+    return nvfp4.quantize(x, generator=generator, **options)
 
 
-def _quantize_mxfp8(x: torch.Tensor, transpose: bool) -> MXFP8Tensor:
+def _quantize_mxfp8(x: torch.Tensor, transpose: bool, dq: bool) -> MXFP8Tensor:
+    if use_kernels(x):
+        out = _kernels().mxfp8_quantize(x, transpose=transpose, return_dq=dq)
+        return as_operand(*out) if dq else as_operand(out)
     return mxfp8.quantize(x, transpose=transpose)
 
 
@@ -73,18 +139,20 @@ def quantize_operand(
     config: OperandConfig,
     transpose: bool = False,
     generator: torch.Generator | None = None,
+    dq: bool = False,
 ) -> QuantizedOperand:
     """Quantize `x` per `config` along its last dim (its first, flattened, with transpose=True).
 
     `generator` feeds stochastic rounding; None draws from PyTorch's default generator, so
     `torch.manual_seed` reproduces the bits and CUDA graph replays draw fresh noise.
+    `dq=True`: the result feeds a GEMM now, so a kernel writes its `_dq` in the same pass.
     """
     if not isinstance(config, OperandConfig):
         raise TypeError(f"config must be an OperandConfig, got {type(config).__name__}")
     if config.format is Format.NVFP4:
-        return _quantize_nvfp4(x, config, transpose, generator)
+        return _quantize_nvfp4(x, config, transpose, generator, dq)
     if config.format is Format.MXFP8:
-        return _quantize_mxfp8(x, transpose)
+        return _quantize_mxfp8(x, transpose, dq)
     if transpose:
         return HighPrecisionTensor(x.reshape(-1, x.shape[-1]).t())
     return HighPrecisionTensor(x)
@@ -99,19 +167,54 @@ def pad_tokens(x: torch.Tensor, config: OperandConfig) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, pad)) if pad else x
 
 
+def _both_from_one_read(
+    x: torch.Tensor,
+    row: OperandConfig,
+    tokens: OperandConfig,
+    generator: torch.Generator | None,
+    tokens_dq: bool,
+) -> tuple[QuantizedOperand, QuantizedOperand] | None:
+    """Both copies from one kernel pass over x, where the formats allow it; else None."""
+    if not use_kernels(x) or row.format is not tokens.format or row.hadamard:
+        return None
+    if x.shape[0] % tokens.block_size:  # the token copy needs padding: no shared read
+        return None
+    if row.format is Format.NVFP4:
+        (q_row, dq_row), (q_tok, dq_tok) = _kernels().nvfp4_quantize_both(
+            x,
+            rowwise=_nvfp4_options(row),
+            columnwise=dict(_nvfp4_options(tokens), hadamard=tokens.hadamard),
+            return_dq=True,
+            generator=generator,
+        )
+    elif row.format is Format.MXFP8:
+        (q_row, dq_row), (q_tok, dq_tok) = _kernels().mxfp8_quantize_both(x, return_dq=True)
+    else:
+        return None
+    # The kernels write both `_dq` operands or neither: a saved token copy drops its own
+    # (docs/LOG.md counts the bytes this costs).
+    return as_operand(q_row, dq_row), as_operand(q_tok, dq_tok if tokens_dq else None)
+
+
 def quantize_rows_and_tokens(
     x: torch.Tensor,
     row: OperandConfig | None,
     tokens: OperandConfig | None,
     generator: torch.Generator | None = None,
+    tokens_dq: bool = False,
 ) -> tuple[QuantizedOperand | None, QuantizedOperand | None]:
     """The two copies of a [M, C] activation: along C per `row`, and along M (zero-padded to
-    the block) per `tokens`, stored [C, M']. A None config skips that copy. Stochastic draws
-    happen in that order: the row copy first."""
-    row_lp = None if row is None else quantize_operand(x, row, generator=generator)
+    the block) per `tokens`, stored [C, M']. A None config skips that copy. The row copy
+    feeds a GEMM now (its `_dq` is made with it); `tokens_dq` says whether the token copy does
+    too (backward) or is saved (forward). Stochastic draws: the row copy first."""
+    if row is not None and tokens is not None:
+        both = _both_from_one_read(x, row, tokens, generator, tokens_dq)
+        if both is not None:
+            return both
+    row_lp = None if row is None else quantize_operand(x, row, generator=generator, dq=True)
     tokens_lp = None
     if tokens is not None:
         tokens_lp = quantize_operand(
-            pad_tokens(x, tokens), tokens, transpose=True, generator=generator
+            pad_tokens(x, tokens), tokens, transpose=True, generator=generator, dq=tokens_dq
         )
     return row_lp, tokens_lp
