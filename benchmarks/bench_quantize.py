@@ -41,7 +41,6 @@ from blockscale import kernels  # noqa: E402
 from blockscale.formats import nvfp4 as nvfp4_ref  # noqa: E402
 
 # The modules, not the functions of the same name that blockscale.kernels exports.
-NVFP4 = importlib.import_module("blockscale.kernels.nvfp4")
 TILE_TABLES = {
     name: importlib.import_module(f"blockscale.kernels.{name}").TILES
     for name in ("amax", "nvfp4", "mxfp8")
@@ -229,18 +228,15 @@ def sweep(x, device, warmup, reps) -> dict[str, tuple]:
     return best
 
 
-def timed_rows(selected, suffix, device, warmup, reps, eager, copy) -> list[dict[str, Any]]:
+def timed_rows(selected, device, warmup, reps, eager, copy) -> list[dict[str, Any]]:
     rows = []
     for name, family, fn, nbytes in selected:
         t = measure(fn, device, warmup, reps, eager)
         gbs = nbytes / (t.median_ms * 1e-3) / 1e9
-        if family.startswith(("nvfp4:col", "nvfp4:both")) and NVFP4.COLUMNS == "slab":
-            tiles = NVFP4.SLAB_TILES["both" if "both" in family else "col"]
-        else:
-            tiles = get_tiles(family) if family != "-" else "-"
+        tiles = get_tiles(family) if family != "-" else "-"
         rows.append(
             {
-                "kernel": name + suffix,
+                "kernel": name,
                 "time_us": t.median_ms * 1e3,
                 "GB/s": gbs,
                 "% of copy": 100 * gbs * 1e9 / copy,
@@ -260,11 +256,6 @@ def main() -> None:
     parser.add_argument(
         "--only", default="", help="comma-separated: only kernels whose name contains one"
     )
-    parser.add_argument(
-        "--compare-columns",
-        action="store_true",
-        help="also time the NVFP4 columnwise cases with the tile-transpose kernel",
-    )
     args = parser.parse_args()
     device = harness.pick_device(args.device)
     info = harness.banner(device)
@@ -275,17 +266,9 @@ def main() -> None:
     copy = harness.copy_bandwidth(device, reps=3 if args.quick else 20)
     print(f"copy ceiling: {copy / 1e9:.0f} GB/s (read + write); shape {shape} bf16")
     tiles = sweep(x, device, warmup, reps) if args.sweep else {}
-    rows = []
     wanted = args.only.split(",")
     selected = [c for c in cases(x) if any(w in c[0] for w in wanted)]
-    variants = [("", None)]
-    if args.compare_columns:
-        variants.append((" [tile]", "tile"))
-    for suffix, columns in variants:
-        if columns:
-            NVFP4.COLUMNS = columns
-            selected = [c for c in selected if c[1].startswith(("nvfp4:col", "nvfp4:both"))]
-        rows += timed_rows(selected, suffix, device, warmup, reps, args.eager, copy)
+    rows = timed_rows(selected, device, warmup, reps, args.eager, copy)
     harness.print_table(rows, ["kernel", "time_us", "GB/s", "% of copy", "MB moved", "tiles"])
     if args.json:
         harness.write_json(

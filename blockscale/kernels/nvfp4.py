@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from blockscale.formats import _checks
-from blockscale.formats import hadamard as rht
 from blockscale.formats.nvfp4 import BLOCKS, ROUNDINGS, NVFP4Tensor
 from blockscale.kernels._common import (
     FLT_MAX,
@@ -35,13 +34,11 @@ from blockscale.kernels._common import (
     e4m3_value,
     hadamard_16,
     hadamard_matrix,
-    interpreting,
     max_keep_nan,
     min_keep_nan,
     nvfp4_global,
     philox_seed,
     relayout_16,
-    round_to_bf16,
     with_sign,
 )
 from blockscale.kernels.amax import amax_fused, amax_of_copy
@@ -229,128 +226,6 @@ def _nvfp4_quantize_kernel(
 
 
 @triton.jit
-def _fwht16(xs, SIGN_MASK: tl.constexpr):
-    """The unnormalized Sylvester transform of 16 vectors (elementwise across them), with
-    the sign vector folded into the first stage: z = H16 @ (s * x). Four butterfly stages,
-    64 adds per 16 values; all indices are compile-time."""
-    out = ()
-    for i in tl.static_range(16):
-        a = -xs[i & ~1] if (SIGN_MASK >> (i & ~1)) & 1 else xs[i & ~1]
-        b = -xs[i | 1] if (SIGN_MASK >> (i | 1)) & 1 else xs[i | 1]
-        out = out + ((a + b) if i % 2 == 0 else (a - b),)
-    xs = out
-    for stage in tl.static_range(1, 4):
-        out = ()
-        for i in tl.static_range(16):
-            if (i >> stage) % 2 == 0:
-                out = out + (xs[i] + xs[i + (1 << stage)],)
-            else:
-                out = out + (xs[i - (1 << stage)] - xs[i],)
-        xs = out
-    return xs
-
-
-@triton.jit
-def _nvfp4_columns_kernel(
-    x_ptr, stride_m, stride_k, M, K,
-    amax_row_ptr, amax_col_ptr, seed_ptr, rand_row_ptr, rand_col_ptr,
-    data_ptr, scale_ptr, dq_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
-    ROW: tl.constexpr, ROW_2D: tl.constexpr, ROW_SR: tl.constexpr,
-    HAD: tl.constexpr, SIGN_MASK: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr,
-    RAND_GIVEN: tl.constexpr, DQ: tl.constexpr, HW_BF16: tl.constexpr,
-    BK: tl.constexpr, G: tl.constexpr,
-):  # fmt: skip
-    """The columnwise copy from slabs of 16 tokens: each 16-token block of a feature is one
-    thread's 16 registers (16 row loads of [BK] features), so the Hadamard transform, the
-    block amax, the rounding and the packing are all elementwise across the 16 row vectors;
-    no transpose and no cross-thread traffic. data_t and dq_t arrive as int32 views (8 codes
-    or 2 BF16 values a word). With ROW the rowwise copy of each 16-token slab comes from a
-    second, cache-hitting load of the same bytes as a [16, BK] tile."""
-    m_base = tl.program_id(0) * (16 * G)
-    offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
-    kmask = offs_k < K
-    s_dec, mult = nvfp4_global(tl.load(amax_col_ptr))
-    base = ((M + 15) // 16) * 16 * (K // 16)
-    for g in tl.static_range(G):
-        r0 = m_base + 16 * g
-        mask = kmask & (r0 < M)
-        if ROW:
-            rows = r0 + tl.arange(0, 16)
-            tile = tl.load(
-                x_ptr + rows[:, None] * stride_m + offs_k[None, :] * stride_k,
-                mask=(rows < M)[:, None] & kmask[None, :],
-                other=0.0,
-            )
-            s_dec_r, mult_r = nvfp4_global(tl.load(amax_row_ptr))
-            k0 = tl.program_id(1) * BK
-            u_r = _uniforms(seed_ptr, rand_row_ptr, r0, k0, M, K, 0, 16, BK, ROW_SR, RAND_GIVEN)
-            packed, scode_r, dq_r, _ = _quantize_tile(
-                tile.to(tl.float32), s_dec_r, mult_r, u_r, 16, BK, ROW_2D, ROW_SR, DQ
-            )
-            _store_quantized(
-                packed, scode_r, dq_r, data_ptr, scale_ptr, dq_ptr, r0, k0, M, K, 16, BK, DQ
-            )
-        xs = ()
-        for i in tl.static_range(16):
-            xi = tl.load(x_ptr + (r0 + i) * stride_m + offs_k * stride_k, mask=mask, other=0.0)
-            xs = xs + (xi.to(tl.float32),)
-        if HAD:
-            zs = _fwht16(xs, SIGN_MASK)
-            xs = ()
-            for i in tl.static_range(16):
-                if HW_BF16:
-                    y = (zs[i] * 0.25).to(tl.bfloat16).to(tl.float32)
-                else:
-                    y = round_to_bf16(zs[i] * 0.25)
-                xs = xs + (y,)
-        block_amax = tl.abs(xs[0])
-        for i in tl.static_range(1, 16):
-            block_amax = max_keep_nan(block_amax, tl.abs(xs[i]))
-        if TWO_D:
-            tile = tl.reduce(tl.reshape(block_amax, [BK // 16, 16]), 1, max_keep_nan)
-            block_amax = tl.reshape(tl.broadcast_to(tile[:, None], [BK // 16, 16]), [BK])
-        b = min_keep_nan(block_amax * mult, 448.0)
-        scode = e4m3_code(b)
-        sval = e4m3_value(scode)
-        enc = min_keep_nan(tl.math.div_rn(tl.full([BK], 1.0, tl.float32), sval * s_dec), FLT_MAX)
-        keep = sval == sval  # a NaN block codes to 0, as the reference
-        if SR and not RAND_GIVEN:
-            words = tl.randint4x(
-                tl.load(seed_ptr), base + offs_k * (M // 16) + r0 // 16, n_rounds=7
-            )
-        lo_word = tl.zeros([BK], dtype=tl.int32)
-        hi_word = tl.zeros([BK], dtype=tl.int32)
-        dq_words = ()
-        for i in tl.static_range(16):
-            if SR:
-                if RAND_GIVEN:
-                    u = tl.load(rand_col_ptr + offs_k * M + r0 + i, mask=mask, other=0.0)
-                else:
-                    byte = (words[i // 4] >> (8 * (i % 4))) & 0xFF
-                    u = byte.to(tl.float32) * 0.00390625
-            else:
-                u = 0.0
-            w = xs[i] * enc
-            idx, mag = _e2m1(w, u, SR, DQ)
-            neg = w < 0.0
-            code = tl.where(keep, idx | (neg.to(tl.int32) << 3), 0)
-            if i < 8:
-                lo_word = lo_word | (code << (4 * i))
-            else:
-                hi_word = hi_word | (code << (4 * (i - 8)))
-            if DQ:
-                dq_words = dq_words + (bf16_bits(with_sign(mag, neg) * sval).to(tl.int32),)
-        row_words = offs_k * (M // 8) + r0 // 8
-        tl.store(data_t_ptr + row_words, lo_word, mask=mask)
-        tl.store(data_t_ptr + row_words + 1, hi_word, mask=mask)
-        tl.store(scale_t_ptr + offs_k * (M // 16) + r0 // 16, scode.to(tl.uint8), mask=mask)
-        if DQ:
-            for j in tl.static_range(8):
-                word = (dq_words[2 * j] & 0xFFFF) | (dq_words[2 * j + 1] << 16)
-                tl.store(dq_t_ptr + offs_k * (M // 2) + r0 // 2 + j, word, mask=mask)
-
-
-@triton.jit
 def _nvfp4_dequantize_kernel(
     data_ptr, scale_ptr, out_ptr, R, C, BR: tl.constexpr, BC: tl.constexpr
 ):
@@ -390,13 +265,6 @@ def _nvfp4_dequantize_kernel(
 
 # (BM, BK, num_warps) per kind of launch; measured on an H100 (docs/KERNELS.md). The
 # benchmark may override these to sweep tile shapes.
-# The columnwise copy (alone or with the rowwise one): "slab" (_nvfp4_columns_kernel) or
-# "tile" (transpose of a [BM, BK] tile in _nvfp4_quantize_kernel); the benchmark compares both.
-COLUMNS = "slab"
-# (BK, 16-token groups per program, num_warps) for the slab kernel: 2 features a thread.
-SLAB_TILES = {"col": (256, 4, 4), "both": (256, 2, 4)}
-_SIGN_MASK = sum(1 << i for i, s in enumerate(rht.DEFAULT_SIGNS) if s < 0)
-
 # A `_dq` launch keeps twice the values live: tiles of 16 values per thread keep it under
 # ~100 registers (occupancy), where 32 per thread suit the launches without dq.
 TILES = {
@@ -450,24 +318,6 @@ def _nvfp4_quantize_2d(
         return data, scale, dq_r, data_t, scale_t, dq_c
     rand_given = rand_row is not None or rand_col is not None
     dummy = amax_row
-    if col and COLUMNS == "slab":
-        bk, groups, warps = SLAB_TILES["both" if row else "col"]
-        grid = (triton.cdiv(M, 16 * groups), triton.cdiv(K, bk))
-        torch.library.wrap_triton(_nvfp4_columns_kernel)[grid](
-            x, x.stride(0), x.stride(1), M, K,
-            amax_row, amax_col,
-            seed if seed is not None else dummy,
-            rand_row if rand_row is not None else dummy,
-            rand_col if rand_col is not None else dummy,
-            data, scale, dq_r.view(torch.int16),
-            data_t.view(torch.int32), scale_t,
-            dq_c.view(torch.int32) if dq else data_t.view(torch.int32),
-            ROW=row, ROW_2D=row_2d, ROW_SR=row_sr,
-            HAD=col_hadamard, SIGN_MASK=_SIGN_MASK, TWO_D=col_2d, SR=col_sr,
-            RAND_GIVEN=rand_given, DQ=dq, HW_BF16=not interpreting(),
-            BK=bk, G=groups, num_warps=warps,
-        )  # fmt: skip
-        return data, scale, dq_r, data_t, scale_t, dq_c
     bm, bk, warps = TILES[
         ("both" if row and col else ("col" if col else "row")) + ("_dq" if dq else "")
     ]
