@@ -34,7 +34,7 @@ import harness  # noqa: E402
 
 import blockscale.nn as bsnn  # noqa: E402
 from blockscale import recipes  # noqa: E402
-from blockscale.gemm import resolve_backend  # noqa: E402
+from blockscale.gemm import dispatch, resolve_backend  # noqa: E402
 from blockscale.ops import EXACT_INDUCTOR_OPTIONS  # noqa: E402
 
 SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096)]
@@ -130,7 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compile", action="store_true", help="also time each step under torch.compile"
     )
+    parser.add_argument(
+        "--acc-chunk-mib",
+        type=float,
+        default=None,
+        help="rows of the emulated GEMM's FP32 accumulator per cuBLAS call, in MiB (0: whole)",
+    )
     args = parser.parse_args(argv)
+    if args.acc_chunk_mib is not None:
+        dispatch.ACC_CHUNK_BYTES = int(args.acc_chunk_mib * 2**20)
     device = harness.pick_device(args.device)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
     args.reps = args.reps if args.reps is not None else (3 if args.quick else 30)
@@ -152,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     harness.print_table(rows, columns)
     if args.json:
         record = {"benchmark": "linear", "banner": info, "copy_tbps": copy_tbps, "rows": rows,
+                  "acc_chunk_bytes": dispatch.ACC_CHUNK_BYTES,
                   "argv": sys.argv[1:] if argv is None else argv}  # fmt: skip
         harness.write_json(args.json, record)
     return 0

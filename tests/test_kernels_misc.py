@@ -105,3 +105,78 @@ def test_gpu_large(shape):
     exact(t.scale.view(torch.uint8), q.t().scale.view(torch.uint8))
     s = q.scale
     exact(kernels.swizzle_scales(s).view(torch.uint8), swizzle.to_blocked(s).view(torch.uint8))
+
+
+# ------------------------------------------------------------------- GEMM epilogue
+
+
+def epilogue_inputs(m=40, n=300, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    acc = torch.randn(m, n, generator=g, device=DEV) * 3
+    # BF16 rounding ties (halfway between two BF16 values, both parities), subnormals,
+    # non-finite values and values that overflow after the product
+    acc[0, :4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130], device=DEV)
+    acc[1, :4] = torch.tensor([float("inf"), float("nan"), -0.0, 3e38], device=DEV)
+    bias = torch.randn(n, generator=g, device=DEV)
+    return acc, bias
+
+
+AMAXES = {
+    "no-alpha": None,
+    "alpha": (3.5, 0.0390625),
+    "zero-amax": (0.0, 7.0),
+    "inf-amax": (float("inf"), 2.0),
+    "nan-amax": (1.0, float("nan")),
+}
+
+
+@pytest.mark.parametrize("amax", list(AMAXES.values()), ids=list(AMAXES))
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_gemm_epilogue_rounds_like_the_reference(amax, with_bias):
+    acc, bias = epilogue_inputs()
+    bias = bias if with_bias else None
+    a = None if amax is None else torch.tensor(amax, device=DEV)
+    ref = acc.clone()
+    if a is not None:  # the reference epilogue: alpha from formats' decode scales
+        ref.mul_(nvfp4.decode_scale(a[0]) * nvfp4.decode_scale(a[1]))
+    if bias is not None:
+        ref.add_(bias)
+    got = kernels.gemm_epilogue(acc, a, bias)
+    want = ref.to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    # bit patterns (so -0.0 != 0.0), NaN where the reference is NaN (any payload)
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    exact(got.view(torch.int16)[finite], want.view(torch.int16)[finite])
+    in_place = kernels.gemm_epilogue(acc.clone(), a, bias, out_dtype=torch.float32)
+    exact(in_place, ref)
+
+
+def test_gemm_epilogue_writes_into_a_row_slice():
+    acc, bias = epilogue_inputs(m=24, n=64, seed=1)
+    acc[1, :4] = 1.0  # finite everywhere here
+    amax = torch.tensor([2688.0, 1344.0], device=DEV)  # S_dec = 1 and 0.5: alpha = 0.5
+    out = torch.full((40, 64), 7.0, dtype=torch.bfloat16, device=DEV)
+    kernels.gemm_epilogue(acc, amax, bias, out=out[8:32])
+    exact(out[8:32], (acc * 0.5 + bias).to(torch.bfloat16))
+    assert (out[:8] == 7).all() and (out[32:] == 7).all()
+
+
+def test_gemm_epilogue_rejects_bad_arguments():
+    acc = torch.zeros(4, 8, device=DEV)
+    with pytest.raises(ValueError, match="FP32"):
+        kernels.gemm_epilogue(acc.bfloat16())
+    with pytest.raises(ValueError, match="bias must be"):
+        kernels.gemm_epilogue(acc, bias=torch.zeros(3, device=DEV))
+    with pytest.raises(ValueError, match="two operands"):
+        kernels.gemm_epilogue(acc, amax=torch.ones(1, device=DEV))
+    with pytest.raises(ValueError, match="out must be"):
+        kernels.gemm_epilogue(acc, out=torch.zeros(4, 8, dtype=torch.float16, device=DEV))
+
+
+def test_gemm_epilogue_op_schema():
+    acc, bias = epilogue_inputs(m=16, n=32, seed=2)
+    out = torch.empty(16, 32, dtype=torch.bfloat16, device=DEV)
+    args = (acc, torch.ones(2, device=DEV), bias, out)
+    utils = ("test_schema", "test_faketensor") if ON_GPU else ("test_schema",)
+    torch.library.opcheck(torch.ops.blockscale.gemm_epilogue, args, test_utils=utils)

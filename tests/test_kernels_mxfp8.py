@@ -93,6 +93,19 @@ def test_both_directions_from_one_read():
     assert_same(qc2, rc)
 
 
+def test_both_directions_write_only_the_dq_asked_for():
+    x = randn(64, 96, seed=5, outliers=True)
+    rr, rc = mxfp8.quantize(x), mxfp8.quantize(x, transpose=True)
+    for flags in ((True, False), (False, True)):
+        (qr, dqr), (qc, dqc) = kernels.mxfp8_quantize_both(x, return_dq=flags)
+        assert_same(qr, rr)
+        assert_same(qc, rc)
+        assert (dqr is not None, dqc is not None) == flags
+        for dq, r in ((dqr, rr), (dqc, rc)):
+            if dq is not None:
+                assert_bits(dq, r.dq())
+
+
 def test_shape_rules():
     with pytest.raises(ValueError, match="K=48"):
         kernels.mxfp8_quantize(torch.zeros(4, 48, device=DEV))

@@ -156,6 +156,19 @@ def test_both_directions_from_one_read():
     assert_same(qc, nvfp4.quantize(x, transpose=True, hadamard=True))
 
 
+@pytest.mark.parametrize("flags", [(True, False), (False, True)], ids=["row-dq", "col-dq"])
+def test_both_directions_write_only_the_dq_asked_for(flags):
+    x = randn(64, 96, seed=8)
+    (qr, dqr), (qc, dqc) = kernels.nvfp4_quantize_both(x, {}, dict(hadamard=True), return_dq=flags)
+    rr, rc = nvfp4.quantize(x), nvfp4.quantize(x, transpose=True, hadamard=True)
+    assert_same(qr, rr)
+    assert_same(qc, rc)
+    assert (dqr is not None, dqc is not None) == flags
+    for dq, r in ((dqr, rr), (dqc, rc)):
+        if dq is not None:
+            assert_bits(dq, r.dq())
+
+
 def test_shape_rules_raise_before_work():
     with pytest.raises(ValueError, match="K=100"):
         kernels.nvfp4_quantize(torch.zeros(4, 100, device=DEV))
@@ -271,7 +284,7 @@ def test_ops_are_registered_and_pass_opcheck():
     x = randn(32, 32, seed=14)
     amax = torch.ones(1, device=DEV)
     op = torch.ops.blockscale.nvfp4_quantize_2d
-    args = (x, amax, amax, None, None, None, True, True, False, False, False, False, True, True)
+    args = (x, amax, amax, None, None, None, True, True, False, False, False, False, True, True, True)
     utils = ("test_schema", "test_faketensor") if ON_GPU else ("test_schema",)
     torch.library.opcheck(op, args, test_utils=utils)
     data, scale, *_ = op(*args)

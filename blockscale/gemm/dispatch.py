@@ -34,6 +34,13 @@ from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.gemm import emulated, native
 
+# The emulated GEMM's FP32 accumulator is made at most this many bytes of rows at a time on
+# CUDA (0: all at once). Smaller chunks lower a step's peak memory but cost a GEMM and an
+# epilogue launch each, and split GEMMs run slower: at 16384x4096x4096 on an H100, 64 MiB
+# chunks made the eager step 35% slower than whole (docs/KERNELS.md), so the default only
+# splits accumulators larger than a [16384, 4096] one.
+ACC_CHUNK_BYTES = 256 * 2**20
+
 
 class Backend(StrEnum):
     """Where block-scaled GEMMs run. AUTO: native on compute capability >= 10.0, else emulated."""
@@ -76,7 +83,10 @@ Operand = NVFP4Tensor | MXFP8Tensor | Transposed
 
 def resolve_backend(backend: Backend | str, device: torch.device) -> Backend:
     """The concrete backend (emulated or native) for `backend` on `device`."""
-    backend = Backend(backend)
+    if not isinstance(backend, Backend):
+        # (constructing the enum from its value is done only for strings: Dynamo in torch
+        # 2.11 cannot trace Backend(Backend.X), which compiled linears would otherwise hit)
+        backend = Backend(backend)
     if backend is Backend.AUTO:
         return Backend.NATIVE if native.device_supports_native(device) else Backend.EMULATED
     if backend is Backend.NATIVE and not native.device_supports_native(device):
@@ -119,13 +129,63 @@ def _emulated(
     # On CUDA the GEMM reads BF16 operands; CPUs multiply in FP32, so build FP32 ones there
     # directly instead of BF16 ones that would be widened (both are exact).
     dq_dtype = torch.bfloat16 if _device(a).type == "cuda" else torch.float32
-    acc = emulated.mm_fp32_accumulate(a.dq(dq_dtype), b.dq(dq_dtype))
+    a_dq, b_dq = a.dq(dq_dtype), b.dq(dq_dtype)
+    if _fused_epilogue(a_dq, out_dtype, bias):
+        return _emulated_fused(a_dq, b_dq, _amaxes(a, b), bias, out_dtype)
     alpha = _alpha(a, b)
+    acc = emulated.mm_fp32_accumulate(a_dq, b_dq)
     if alpha is not None:
         acc.mul_(alpha)
     if bias is not None:
         acc.add_(bias)
     return acc.to(out_dtype)
+
+
+def _fused_epilogue(a_dq: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None) -> bool:
+    """Whether the epilogue kernel applies: where the quantization kernels run (CUDA with
+    Triton), BF16 or FP32 out, and no bias that autograd would need to see (linear()
+    computes grad_bias itself)."""
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        return False
+    if bias is not None and bias.requires_grad and torch.is_grad_enabled():
+        return False
+    from blockscale.ops.quantize import use_kernels  # noqa: PLC0415 (ops imports gemm)
+
+    return use_kernels(a_dq)
+
+
+def _amaxes(a: Operand, b: Operand) -> torch.Tensor | None:
+    """The two NVFP4 tensor amaxes alpha is made of, as one FP32 [2] tensor (None for MXFP8)."""
+    if not _is_nvfp4(a):
+        return None
+    amax = [op.base.amax if isinstance(op, Transposed) else op.amax for op in (a, b)]
+    return torch.stack(amax).float()
+
+
+def _emulated_fused(
+    a_dq: torch.Tensor,
+    b_dq: torch.Tensor,
+    amax: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The CUDA path: the FP32 accumulator is made ACC_CHUNK_BYTES of rows at a time and each
+    chunk goes through the epilogue kernel into its rows of the output, so the FP32 tensor
+    never exists whole (a [16384, 4096] BF16 output would otherwise need 256 MiB beside it)."""
+    from blockscale.kernels import gemm_epilogue  # noqa: PLC0415 (Triton is optional)
+
+    m, n = a_dq.shape[0], b_dq.shape[0]
+    if out_dtype == torch.float32:  # the accumulator is the output: scale it in place
+        acc = emulated.mm_fp32_accumulate(a_dq, b_dq)
+        if amax is None and bias is None:
+            return acc
+        return gemm_epilogue(acc, amax, bias, out=acc)
+    out = torch.empty(m, n, dtype=out_dtype, device=a_dq.device)
+    rows = m if ACC_CHUNK_BYTES <= 0 else max(128, ACC_CHUNK_BYTES // (4 * max(n, 1)) // 128 * 128)
+    for r0 in range(0, m, rows):
+        acc = emulated.mm_fp32_accumulate(a_dq[r0 : r0 + rows], b_dq)
+        gemm_epilogue(acc, amax, bias, out=out[r0 : r0 + rows])
+    return out
 
 
 def _native(

@@ -13,6 +13,7 @@ multiplied in FP32: the same products, still exact, with FP32 accumulation.
 
 import torch
 
+from blockscale._library import library_op
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import NVFP4Tensor
 
@@ -42,11 +43,24 @@ def alpha(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
     return torch.ones((), dtype=torch.float32, device=a.data.device)
 
 
-def mm_fp32_accumulate(a_dq: torch.Tensor, b_dq: torch.Tensor) -> torch.Tensor:
-    """a_dq @ b_dq.T of exact BF16 operands with FP32 accumulation, FP32 result."""
+@library_op("blockscale::mm_fp32_accumulate")
+def _mm_fp32_accumulate(a_dq: torch.Tensor, b_dq: torch.Tensor) -> torch.Tensor:
     if a_dq.is_cuda:
         return torch.mm(a_dq, b_dq.t(), out_dtype=torch.float32)
     return a_dq.float() @ b_dq.float().t()
+
+
+@_mm_fp32_accumulate.op.register_fake
+def _(a_dq: torch.Tensor, b_dq: torch.Tensor) -> torch.Tensor:
+    return a_dq.new_empty((a_dq.shape[0], b_dq.shape[0]), dtype=torch.float32)
+
+
+def mm_fp32_accumulate(a_dq: torch.Tensor, b_dq: torch.Tensor) -> torch.Tensor:
+    """a_dq @ b_dq.T of exact BF16 operands with FP32 accumulation, FP32 result.
+
+    A torch.library op under torch.compile, so that Inductor keeps this exact call instead of
+    lowering it to a GEMM of its own with another summation order (compiled == eager)."""
+    return _mm_fp32_accumulate(a_dq, b_dq)
 
 
 def scaled_mm(

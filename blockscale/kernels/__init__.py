@@ -8,6 +8,7 @@ the CPU tests): `available(x)` says which.
 
 from blockscale.kernels._common import available
 from blockscale.kernels.amax import amax, amax_fused, amax_hadamard_t
+from blockscale.kernels.epilogue import gemm_epilogue
 from blockscale.kernels.mxfp8 import mxfp8_quantize, mxfp8_quantize_both
 from blockscale.kernels.nvfp4 import nvfp4_dequantize_dq, nvfp4_quantize, nvfp4_quantize_both
 from blockscale.kernels.swizzle import swizzle_scales
@@ -18,6 +19,7 @@ __all__ = [
     "amax",
     "amax_fused",
     "amax_hadamard_t",
+    "gemm_epilogue",
     "nvfp4_quantize",
     "nvfp4_quantize_both",
     "nvfp4_dequantize_dq",

@@ -21,6 +21,12 @@ from blockscale.formats import hadamard as rht
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids. (triton.cdiv is a jit function: calling it from Python
+    costs ~9 us a call, measured; a step computes a dozen grids.)"""
+    return -(-a // b)
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -47,6 +53,14 @@ def dot_in_fp32(x: torch.Tensor) -> bool:
     take the FP32 path. BF16/FP16 on the GPU use the tensor cores (products exact, FP32
     accumulation)."""
     return interpreting() or x.dtype == torch.float32
+
+
+def dq_flags(return_dq: bool | tuple[bool, bool]) -> tuple[bool, bool]:
+    """(row, col) `_dq` flags of a `return_dq` argument: one bool for both copies, or a pair."""
+    if isinstance(return_dq, bool):
+        return return_dq, return_dq
+    row, col = return_dq
+    return bool(row), bool(col)
 
 
 def philox_seed(device: torch.device, generator: torch.Generator | None) -> torch.Tensor:

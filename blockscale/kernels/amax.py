@@ -15,8 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
+from blockscale._library import library_op
 from blockscale.kernels._common import (
     abs_bits,
+    cdiv,
     dot_in_fp32,
     hadamard_16,
     hadamard_matrix,
@@ -54,16 +56,16 @@ def _amax_kernel(
         tl.atomic_max(out_ptr + 1, tl.max(tl.max(acc_t, axis=1), axis=0))
 
 
-@torch.library.triton_op("blockscale::amax_2d", mutates_args=())
+@library_op("blockscale::amax_2d", mutates_args=(), triton=True)
 def _amax_2d(x: torch.Tensor, plain: bool, hadamard_t: bool) -> torch.Tensor:
     """FP32 [2]: (max |x|, max |Hadamard transform of x along dim 0|); unrequested ones 0."""
     M, K = x.shape
     out = torch.zeros(2, dtype=torch.int32, device=x.device)
     if M and K:
         bm, bk, warps, per_program = TILES["hadamard" if hadamard_t else "plain"]
-        n_k = triton.cdiv(K, bk)
-        n_tiles = triton.cdiv(M, bm) * n_k
-        torch.library.wrap_triton(_amax_kernel)[(triton.cdiv(n_tiles, per_program),)](
+        n_k = cdiv(K, bk)
+        n_tiles = cdiv(M, bm) * n_k
+        torch.library.wrap_triton(_amax_kernel)[(cdiv(n_tiles, per_program),)](
             x, x.stride(0), x.stride(1), M, K, hadamard_matrix(x.device), out, n_k, n_tiles,
             PLAIN=plain, HAD_T=hadamard_t, DOT_F32=dot_in_fp32(x),
             BM=bm, BK=bk, TILES=per_program, num_warps=warps,

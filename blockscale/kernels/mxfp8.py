@@ -14,12 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
+from blockscale._library import library_op
 from blockscale.formats import _checks
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.kernels._common import (
     abs_bits,
     bf16_bits,
+    cdiv,
     dot_in_fp32,
+    dq_flags,
     e4m3_byte_value,
     e4m3_code_signed,
     exp2_int,
@@ -90,7 +93,8 @@ def _store_mx(
 def _mxfp8_quantize_kernel(
     x_ptr, stride_m, stride_k, M, K,
     data_ptr, scale_ptr, dq_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
-    ROW: tl.constexpr, COL: tl.constexpr, DQ: tl.constexpr, HW_FP8: tl.constexpr,
+    ROW: tl.constexpr, COL: tl.constexpr, DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr,
+    HW_FP8: tl.constexpr,
     DOT_F32: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
@@ -104,7 +108,7 @@ def _mxfp8_quantize_kernel(
     )
     if ROW:
         byte, ecode, dq, _ = _mx_tile(x.to(tl.float32), BM, BK, HW_FP8)
-        _store_mx(byte, ecode, dq, data_ptr, scale_ptr, dq_ptr, m0, k0, M, K, BM, BK, DQ)
+        _store_mx(byte, ecode, dq, data_ptr, scale_ptr, dq_ptr, m0, k0, M, K, BM, BK, DQ_ROW)
     if COL:
         # The identity product moves each 32-block into one thread (docs/LOG.md); Inf * 0
         # in it makes NaN, so a tile with Inf or NaN is redone from the plain transpose.
@@ -112,13 +116,15 @@ def _mxfp8_quantize_kernel(
         byte_t, ecode_t, dq_t, finite = _mx_tile(relayout_16(xt, BK, BM, DOT_F32), BK, BM, HW_FP8)
         if finite:
             _store_mx(
-                byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr, k0, m0, K, M, BK, BM, DQ
-            )
+                byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
+                k0, m0, K, M, BK, BM, DQ_COL,
+            )  # fmt: skip
         else:
             byte_t, ecode_t, dq_t, _ = _mx_tile(xt.to(tl.float32), BK, BM, HW_FP8)
             _store_mx(
-                byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr, k0, m0, K, M, BK, BM, DQ
-            )
+                byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
+                k0, m0, K, M, BK, BM, DQ_COL,
+            )  # fmt: skip
 
 
 # (BM, BK, num_warps) per kind of launch (docs/KERNELS.md); the benchmark may sweep these.
@@ -140,24 +146,27 @@ def _outputs(rows: int, cols: int, device, dq: bool):
     )
 
 
-@torch.library.triton_op("blockscale::mxfp8_quantize_2d", mutates_args=())
+@library_op("blockscale::mxfp8_quantize_2d", mutates_args=(), triton=True)
 def _mxfp8_quantize_2d(
-    x: torch.Tensor, row: bool, col: bool, dq: bool
+    x: torch.Tensor, row: bool, col: bool, dq_row: bool, dq_col: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] -> rowwise (E4M3 bytes [M, K], E8M0 bytes [M, K/32], dq [M, K]) and columnwise
-    ([K, M], [K, M/32], [K, M]) outputs; unused ones are empty."""
+    ([K, M], [K, M/32], [K, M]) outputs; unused ones (and a `_dq` not asked for) are empty."""
     M, K = x.shape
     dev = x.device
-    data, scale, dq_r = _outputs(M, K, dev, dq) if row else _outputs(0, 0, dev, False)
-    data_t, scale_t, dq_c = _outputs(K, M, dev, dq) if col else _outputs(0, 0, dev, False)
+    dq_row, dq_col = dq_row and row, dq_col and col
+    data, scale, dq_r = _outputs(M, K, dev, dq_row) if row else _outputs(0, 0, dev, False)
+    data_t, scale_t, dq_c = _outputs(K, M, dev, dq_col) if col else _outputs(0, 0, dev, False)
     if M and K and (row or col):
-        kind = ("both" if row and col else ("col" if col else "row")) + ("_dq" if dq else "")
+        kind = ("both" if row and col else ("col" if col else "row")) + (
+            "_dq" if dq_row or dq_col else ""
+        )
         bm, bk, warps = TILES[kind]
-        grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
+        grid = (cdiv(M, bm), cdiv(K, bk))
         torch.library.wrap_triton(_mxfp8_quantize_kernel)[grid](
             x, x.stride(0), x.stride(1), M, K, data, scale, dq_r.view(torch.int16), data_t, scale_t,
             dq_c.view(torch.int16),
-            ROW=row, COL=col, DQ=dq, HW_FP8=not interpreting(), DOT_F32=dot_in_fp32(x),
+            ROW=row, COL=col, DQ_ROW=dq_row, DQ_COL=dq_col, HW_FP8=not interpreting(), DOT_F32=dot_in_fp32(x),
             BM=bm, BK=bk, num_warps=warps,
         )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c
@@ -182,22 +191,27 @@ def mxfp8_quantize(x: torch.Tensor, transpose: bool = False, return_dq: bool = F
     else:
         _checks.check_blocks(M, K, "MXFP8", 1, BLOCK)
         shape = x.shape
-    out = _mxfp8_quantize_2d(x2, not transpose, transpose, return_dq)
+    out = _mxfp8_quantize_2d(x2, not transpose, transpose, return_dq, return_dq)
     data, scale, dq = out[3:] if transpose else out[:3]
     q = _container(data, scale, shape)
     return (q, dq.reshape(shape)) if return_dq else q
 
 
-def mxfp8_quantize_both(x: torch.Tensor, return_dq: bool = False):
+def mxfp8_quantize_both(x: torch.Tensor, return_dq: bool | tuple[bool, bool] = False):
     """(rowwise, columnwise) MXFP8 copies from one read of x; with return_dq,
-    ((q_row, dq_row), (q_col, dq_col))."""
+    ((q_row, dq_row), (q_col, dq_col)). return_dq is True for both `_dq` operands or a pair
+    (row, col) of flags; a copy whose flag is False gets None (its `_dq` is not written)."""
+    want_row, want_col = dq_flags(return_dq)
     x2 = _checks.as_2d(x, "MXFP8", False)
     M, K = x2.shape
     _checks.check_blocks(M, K, "MXFP8", 1, BLOCK)
     _checks.check_blocks(K, M, "MXFP8", 1, BLOCK)
-    data, scale, dq, data_t, scale_t, dq_t = _mxfp8_quantize_2d(x2, True, True, return_dq)
+    data, scale, dq, data_t, scale_t, dq_t = _mxfp8_quantize_2d(x2, True, True, want_row, want_col)
     q_row = _container(data, scale, x.shape)
     q_col = _container(data_t, scale_t, torch.Size((K, M)))
-    if return_dq:
-        return (q_row, dq.reshape(x.shape)), (q_col, dq_t)
+    if return_dq is not False:
+        return (
+            (q_row, dq.reshape(x.shape) if want_row else None),
+            (q_col, dq_t if want_col else None),
+        )
     return q_row, q_col

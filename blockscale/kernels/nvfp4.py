@@ -22,13 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
+from blockscale._library import library_op
 from blockscale.formats import _checks
 from blockscale.formats.nvfp4 import BLOCKS, ROUNDINGS, NVFP4Tensor
 from blockscale.kernels._common import (
     FLT_MAX,
     abs_bits,
     bf16_bits,
+    cdiv,
     dot_in_fp32,
+    dq_flags,
     e4m3_byte_value,
     e4m3_code,
     e4m3_value,
@@ -178,8 +181,8 @@ def _nvfp4_quantize_kernel(
     data_ptr, scale_ptr, dq_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
     ROW: tl.constexpr, COL: tl.constexpr, ROW_2D: tl.constexpr, COL_2D: tl.constexpr,
     ROW_SR: tl.constexpr, COL_SR: tl.constexpr, COL_HAD: tl.constexpr,
-    RAND_GIVEN: tl.constexpr, DQ: tl.constexpr, DOT_F32: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr,
+    RAND_GIVEN: tl.constexpr, DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr,
+    DOT_F32: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     m0 = tl.program_id(0) * BM
     k0 = tl.program_id(1) * BK
@@ -193,9 +196,11 @@ def _nvfp4_quantize_kernel(
         s_dec, mult = nvfp4_global(tl.load(amax_row_ptr))
         u = _uniforms(seed_ptr, rand_row_ptr, m0, k0, M, K, 0, BM, BK, ROW_SR, RAND_GIVEN)
         packed, scode, dq, _ = _quantize_tile(
-            x.to(tl.float32), s_dec, mult, u, BM, BK, ROW_2D, ROW_SR, DQ
+            x.to(tl.float32), s_dec, mult, u, BM, BK, ROW_2D, ROW_SR, DQ_ROW
         )
-        _store_quantized(packed, scode, dq, data_ptr, scale_ptr, dq_ptr, m0, k0, M, K, BM, BK, DQ)
+        _store_quantized(
+            packed, scode, dq, data_ptr, scale_ptr, dq_ptr, m0, k0, M, K, BM, BK, DQ_ROW
+        )
     if COL:
         xt = tl.trans(x)
         s_dec_t, mult_t = nvfp4_global(tl.load(amax_col_ptr))
@@ -207,21 +212,21 @@ def _nvfp4_quantize_kernel(
         else:
             vt = relayout_16(xt, BK, BM, DOT_F32)
         packed_t, scode_t, dq_t, finite = _quantize_tile(
-            vt, s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR, DQ
+            vt, s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR, DQ_COL
         )
         if COL_HAD or finite:
             _store_quantized(
                 packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
-                k0, m0, K, M, BK, BM, DQ,
+                k0, m0, K, M, BK, BM, DQ_COL,
             )  # fmt: skip
         else:
             # Inf * 0 in the identity product made NaN: redo this tile from the plain transpose.
             packed_t, scode_t, dq_t, _ = _quantize_tile(
-                xt.to(tl.float32), s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR, DQ
+                xt.to(tl.float32), s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR, DQ_COL
             )
             _store_quantized(
                 packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
-                k0, m0, K, M, BK, BM, DQ,
+                k0, m0, K, M, BK, BM, DQ_COL,
             )  # fmt: skip
 
 
@@ -284,7 +289,7 @@ def _empty_like_spec(rows: int, cols: int, device, dq: bool):
     return data, scale, dq_t
 
 
-@torch.library.triton_op("blockscale::nvfp4_quantize_2d", mutates_args=())
+@library_op("blockscale::nvfp4_quantize_2d", mutates_args=(), triton=True)
 def _nvfp4_quantize_2d(
     x: torch.Tensor,
     amax_row: torch.Tensor,
@@ -299,19 +304,21 @@ def _nvfp4_quantize_2d(
     row_sr: bool,
     col_sr: bool,
     col_hadamard: bool,
-    dq: bool,
+    dq_row: bool,
+    dq_col: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] -> rowwise (data [M, K/2], scale [M, K/16], dq [M, K]) and columnwise
-    (data_t [K, M/2], scale_t [K, M/16], dq_t [K, M]) outputs; unused ones are empty.
-    Scales are raw E4M3 bytes (uint8). amax_* are FP32 device scalars."""
+    (data_t [K, M/2], scale_t [K, M/16], dq_t [K, M]) outputs; unused ones (and a `_dq` not
+    asked for) are empty. Scales are raw E4M3 bytes (uint8). amax_* are FP32 device scalars."""
     M, K = x.shape
     dev = x.device
+    dq_row, dq_col = dq_row and row, dq_col and col
     if row:
-        data, scale, dq_r = _empty_like_spec(M, K, dev, dq)
+        data, scale, dq_r = _empty_like_spec(M, K, dev, dq_row)
     else:
         data, scale, dq_r = _empty_like_spec(0, 0, dev, False)
     if col:
-        data_t, scale_t, dq_c = _empty_like_spec(K, M, dev, dq)
+        data_t, scale_t, dq_c = _empty_like_spec(K, M, dev, dq_col)
     else:
         data_t, scale_t, dq_c = _empty_like_spec(0, 0, dev, False)
     if M == 0 or K == 0 or not (row or col):
@@ -319,9 +326,9 @@ def _nvfp4_quantize_2d(
     rand_given = rand_row is not None or rand_col is not None
     dummy = amax_row
     bm, bk, warps = TILES[
-        ("both" if row and col else ("col" if col else "row")) + ("_dq" if dq else "")
+        ("both" if row and col else ("col" if col else "row")) + ("_dq" if dq_row or dq_col else "")
     ]
-    grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
+    grid = (cdiv(M, bm), cdiv(K, bk))
     torch.library.wrap_triton(_nvfp4_quantize_kernel)[grid](
         x, x.stride(0), x.stride(1), M, K,
         amax_row, amax_col, hadamard_matrix(dev),
@@ -330,20 +337,21 @@ def _nvfp4_quantize_2d(
         rand_col if rand_col is not None else dummy,
         data, scale, dq_r.view(torch.int16), data_t, scale_t, dq_c.view(torch.int16),
         ROW=row, COL=col, ROW_2D=row_2d, COL_2D=col_2d, ROW_SR=row_sr, COL_SR=col_sr,
-        COL_HAD=col_hadamard, RAND_GIVEN=rand_given, DQ=dq, DOT_F32=dot_in_fp32(x),
+        COL_HAD=col_hadamard, RAND_GIVEN=rand_given, DQ_ROW=dq_row, DQ_COL=dq_col,
+        DOT_F32=dot_in_fp32(x),
         BM=bm, BK=bk, num_warps=warps,
     )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c
 
 
-@torch.library.triton_op("blockscale::nvfp4_dequantize_2d", mutates_args=())
+@library_op("blockscale::nvfp4_dequantize_2d", mutates_args=(), triton=True)
 def _nvfp4_dequantize_2d(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """data uint8 [R, C/2], scale uint8 (E4M3 bytes) [R, C/16] -> BF16 [R, C]."""
     R, half = data.shape
     C = half * 2
     out = torch.empty(R, C, dtype=torch.bfloat16, device=data.device)
     if R and C:
-        grid = (triton.cdiv(R, 32), triton.cdiv(C, 128))
+        grid = (cdiv(R, 32), cdiv(C, 128))
         torch.library.wrap_triton(_nvfp4_dequantize_kernel)[grid](
             data, scale, out.view(torch.int16), R, C, BR=32, BC=128, num_warps=4
         )
@@ -412,7 +420,7 @@ def nvfp4_quantize(
         src, amax, amax, seed,
         None if col else rand2, rand2 if col else None,
         row=not col, col=col, row_2d=block == "16x16", col_2d=block == "16x16",
-        row_sr=sr, col_sr=sr, col_hadamard=hadamard, dq=return_dq,
+        row_sr=sr, col_sr=sr, col_hadamard=hadamard, dq_row=return_dq, dq_col=return_dq,
     )  # fmt: skip
     data, scale, dq = out[3:] if col else out[:3]
     q = _container(data, scale, amax, shape, block, hadamard)
@@ -431,7 +439,10 @@ def nvfp4_quantize_both(
     """The rowwise copy of x and the columnwise copy (the quantization of x.T, optionally
     Hadamard) from one read of x. Each dict takes block, rounding, amax (and, for the
     columnwise copy, hadamard). Returns (q_row, q_col), or ((q_row, dq_row), (q_col, dq_col))
-    with return_dq. The global amaxes, when not given, come from one fused amax pass."""
+    with return_dq: True for both `_dq` operands, or a pair (row, col) of flags, where a copy
+    whose flag is False gets None (its `_dq` is not written). The global amaxes, when not
+    given, come from one fused amax pass."""
+    want_row, want_col = dq_flags(return_dq)
     r = {"block": "1x16", "rounding": "nearest", "amax": None, **(rowwise or {})}
     c = {
         "block": "1x16",
@@ -464,12 +475,16 @@ def nvfp4_quantize_both(
     data, scale, dq, data_t, scale_t, dq_t = _nvfp4_quantize_2d(
         x2, amax_r, amax_c, seed, None, None,
         row=True, col=True, row_2d=r["block"] == "16x16", col_2d=c["block"] == "16x16",
-        row_sr=row_sr, col_sr=col_sr, col_hadamard=c["hadamard"], dq=return_dq,
+        row_sr=row_sr, col_sr=col_sr, col_hadamard=c["hadamard"], dq_row=want_row,
+        dq_col=want_col,
     )  # fmt: skip
     q_row = _container(data, scale, amax_r, x.shape, r["block"], False)
     q_col = _container(data_t, scale_t, amax_c, torch.Size((K, M)), c["block"], c["hadamard"])
-    if return_dq:
-        return (q_row, dq.reshape(x.shape)), (q_col, dq_t)
+    if return_dq is not False:
+        return (
+            (q_row, dq.reshape(x.shape) if want_row else None),
+            (q_col, dq_t if want_col else None),
+        )
     return q_row, q_col
 
 

@@ -7,7 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
+from blockscale._library import library_op
 from blockscale.formats.swizzle import padded_shape
+from blockscale.kernels._common import cdiv
 
 
 @triton.jit
@@ -21,14 +23,14 @@ def _swizzle_kernel(src_ptr, out_ptr, R, C, n_col_blocks, total, BLOCK: tl.const
     tl.store(out_ptr + o, v, mask=o < total)
 
 
-@torch.library.triton_op("blockscale::swizzle_scales_2d", mutates_args=())
+@library_op("blockscale::swizzle_scales_2d", mutates_args=(), triton=True)
 def _swizzle_2d(scale: torch.Tensor) -> torch.Tensor:
     """uint8 [R, C] row-major scales -> flat uint8 of the padded 128x4-blocked layout."""
     R, C = scale.shape
     rp, cp = padded_shape(R, C)
     out = torch.empty(rp * cp, dtype=torch.uint8, device=scale.device)
     if rp * cp:
-        grid = (triton.cdiv(rp * cp, 1024),)
+        grid = (cdiv(rp * cp, 1024),)
         torch.library.wrap_triton(_swizzle_kernel)[grid](
             scale, out, R, C, cp // 4, rp * cp, BLOCK=1024, num_warps=4
         )

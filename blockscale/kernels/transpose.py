@@ -11,7 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from blockscale._library import library_op
 from blockscale.formats.nvfp4 import NVFP4Tensor
+from blockscale.kernels._common import cdiv
 
 BLOCK = 16
 
@@ -53,7 +55,7 @@ def _nvfp4_transpose_kernel(
     )
 
 
-@torch.library.triton_op("blockscale::nvfp4_transpose_16x16_2d", mutates_args=())
+@library_op("blockscale::nvfp4_transpose_16x16_2d", mutates_args=(), triton=True)
 def _nvfp4_transpose_2d(
     data: torch.Tensor, scale: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +65,7 @@ def _nvfp4_transpose_2d(
     data_t = torch.empty(C, R // 2, dtype=torch.uint8, device=data.device)
     scale_t = torch.empty(C, R // BLOCK, dtype=torch.uint8, device=data.device)
     if R and C:
-        grid = (triton.cdiv(R, 64), triton.cdiv(C, 64))
+        grid = (cdiv(R, 64), cdiv(C, 64))
         torch.library.wrap_triton(_nvfp4_transpose_kernel)[grid](
             data, scale, data_t, scale_t, R, C, BR=64, BC=64, num_warps=4
         )

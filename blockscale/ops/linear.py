@@ -196,6 +196,9 @@ class _Linear(torch.autograd.Function):
                 weight_t = _load(saved[:n], ctx.weight_meta)
                 grad_input = _mm(go_lp, weight_t, ctx.input_dtype, ctx.compute_dtype, ctx.backend)
                 grad_input = grad_input.reshape(ctx.input_shape)
+                # Release grad_output's `_dq` operand and the weight's before grad_weight
+                # builds its own two: the step's peak memory is set here.
+                del go_lp, weight_t
             if ctx.needs_input_grad[1]:
                 input_t = _load(saved[n:], ctx.input_meta)
                 grad_weight = _mm(go_t, input_t, ctx.weight_dtype, ctx.compute_dtype, ctx.backend)

@@ -184,16 +184,17 @@ def _both_from_one_read(
             x,
             rowwise=_nvfp4_options(row),
             columnwise=dict(_nvfp4_options(tokens), hadamard=tokens.hadamard),
-            return_dq=True,
+            return_dq=(True, tokens_dq),
             generator=generator,
         )
     elif row.format is Format.MXFP8:
-        (q_row, dq_row), (q_tok, dq_tok) = _kernels().mxfp8_quantize_both(x, return_dq=True)
+        (q_row, dq_row), (q_tok, dq_tok) = _kernels().mxfp8_quantize_both(
+            x, return_dq=(True, tokens_dq)
+        )
     else:
         return None
-    # The kernels write both `_dq` operands or neither: a saved token copy drops its own
-    # (docs/LOG.md counts the bytes this costs).
-    return as_operand(q_row, dq_row), as_operand(q_tok, dq_tok if tokens_dq else None)
+    # A token copy saved for backward gets no `_dq` (the kernel does not write it).
+    return as_operand(q_row, dq_row), as_operand(q_tok, dq_tok)
 
 
 def quantize_rows_and_tokens(
