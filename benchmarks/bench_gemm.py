@@ -49,7 +49,11 @@ def gemms(m: int, k: int, n: int, device) -> list[tuple[str, torch.Tensor, torch
 
 def main(argv: list[str] | None = None) -> int:
     parser = harness.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser.add_argument("--shapes", nargs="+", default=None, help="step shapes M,K,N")
     args = parser.parse_args(argv)
+    shapes = STEP_SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
     device = harness.pick_device(args.device)
     if device.type != "cuda":
         print("bench_gemm needs a CUDA device")
@@ -58,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     info = harness.banner(device)
     amax = torch.tensor([3.0, 5.0], device=device)
     rows: list[dict[str, Any]] = []
-    for m, k, n in STEP_SHAPES:
+    for m, k, n in shapes:
         for name, a, b in gemms(m, k, n, device):
             flops = 2 * a.shape[0] * b.shape[0] * a.shape[1]
 

@@ -24,12 +24,35 @@ DEFAULT_CONFIG = (128, 256, 64, 8, 8, 3)
 
 
 @triton.jit
+def _mma(
+    a_ptr, b_ptr, rm, rn, rk, k0, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, acc,
+    DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """acc += a[rm, k0 + rk] @ b[rn, k0 + rk].T for one K tile."""
+    ka = k0 + rk
+    a = tl.load(
+        a_ptr + rm[:, None] * stride_am + ka[None, :] * stride_ak,
+        mask=(rm < M)[:, None] & (ka < K)[None, :],
+        other=0.0,
+    )
+    b = tl.load(
+        b_ptr + rn[None, :] * stride_bn + ka[:, None] * stride_bk,
+        mask=(rn < N)[None, :] & (ka < K)[:, None],
+        other=0.0,
+    )
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _gemm_kernel(
     a_ptr, b_ptr, amax_ptr, bias_ptr, out_ptr, M, N, K,
     stride_am, stride_ak, stride_bn, stride_bk, stride_om,
     HAS_ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr,
-    DOT_F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BM)
@@ -42,20 +65,20 @@ def _gemm_kernel(
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak
-    b_ptrs = b_ptr + rn[None, :] * stride_bn + rk[:, None] * stride_bk
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    k0 = 0
-    while k0 < K:
-        a = tl.load(a_ptrs, mask=(rm < M)[:, None] & (k0 + rk < K)[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=(rn < N)[None, :] & (k0 + rk < K)[:, None], other=0.0)
-        if DOT_F32:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        a_ptrs += BK * stride_ak
-        b_ptrs += BK * stride_bk
-        k0 += BK
+    if INTERPRET:
+        # (the interpreter cannot iterate a range with a runtime bound under numpy 2)
+        k0 = 0
+        while k0 < K:
+            acc = _mma(a_ptr, b_ptr, rm, rn, rk, k0, M, N, K, stride_am, stride_ak, stride_bn,
+                       stride_bk, acc, DOT_F32)  # fmt: skip
+            k0 += BK
+    else:
+        # a `for` over range() is what Triton software-pipelines (num_stages); the while
+        # loop is not, and ran at ~165 TFLOP/s on an H100 (docs/LOG.md)
+        for k0 in range(0, K, BK):
+            acc = _mma(a_ptr, b_ptr, rm, rn, rk, k0, M, N, K, stride_am, stride_ak, stride_bn,
+                       stride_bk, acc, DOT_F32)  # fmt: skip
     if HAS_ALPHA:
         alpha = _decode_scale(tl.load(amax_ptr)) * _decode_scale(tl.load(amax_ptr + 1))
         acc = _mul_rn(acc, tl.broadcast_to(alpha, [BM, BN]), ASM)
@@ -90,8 +113,8 @@ def _gemm_fused(
         a, b, amax if amax is not None else a, bias if bias is not None else a, dst, M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
         HAS_ALPHA=amax is not None, HAS_BIAS=bias is not None, OUT_BF16=out_bf16,
-        ASM=not interpreting(), DOT_F32=dot_in_fp32(a), BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
-        num_warps=warps, num_stages=stages,
+        ASM=not interpreting(), DOT_F32=dot_in_fp32(a), INTERPRET=interpreting(),
+        BM=bm, BN=bn, BK=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
