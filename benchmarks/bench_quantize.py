@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
+if not torch.cuda.is_available():  # the CPU smoke test (--quick) runs Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import harness  # noqa: E402
 
@@ -69,6 +72,7 @@ def cases(x: torch.Tensor) -> list[tuple[str, str, Callable[[], Any], float]]:
     amax_t = kernels.amax_hadamard_t(x)
     q16 = nvfp4_ref.quantize(x, block="16x16")
     q1 = nvfp4_ref.quantize(x)
+    m1 = kernels.mxfp8_quantize(x)
     nv1 = 2 * n + n / 2 + n / 16  # one NVFP4 direction, no dq
     mx1 = 2 * n + n + n / 32
     col = {"hadamard": True, "amax": amax_t}
@@ -161,6 +165,12 @@ def cases(x: torch.Tensor) -> list[tuple[str, str, Callable[[], Any], float]]:
             "mxfp8:both_dq",
             lambda: kernels.mxfp8_quantize_both(x, return_dq=True),
             2 * mx1 - 2 * n + 4 * n,
+        ),
+        (
+            "mxfp8 dequantize dq",
+            "-",
+            lambda: kernels.mxfp8_dequantize_dq(m1),
+            n + n / 32 + 2 * n,
         ),
         (
             "swizzle scales (tiny)",

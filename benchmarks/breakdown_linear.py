@@ -1,15 +1,17 @@
 """Kernel-by-kernel breakdown of one linear training step (forward + backward) under a recipe.
 
 Each operation the step runs on the GPU (global amax, quantization, dequantization of saved
-operands, the GEMMs and their epilogue) is timed with CUDA events around its call, exclusive
-of the operations nested in it, and reported with what it moved: bytes read + written as a
+operands, the GEMMs and their epilogue) is timed by the profiler (the GPU-timeline span of the
+kernels it launched, exclusive of the operations nested in it) and reported with what it moved: bytes read + written as a
 fraction of the device-to-device copy ceiling, or for the GEMMs TFLOP/s as a fraction of a
 BF16 GEMM of the same shape (cuBLAS, BF16 output), both measured in the same run. "other" is
-the step time not covered by a timed operation (small PyTorch ops, launch gaps).
+the step time not covered by a timed operation (small PyTorch ops, and the GPU idling while
+the host launches).
 
 Timing wraps the library's functions where `ops/`, `gemm/` and `kernels/` call them, so the
-step is the library's own code path. The events cost a few microseconds per operation; the
-step's total is measured separately without them.
+step is the library's own code path. "host_us" is the CPU time of each call (Python and
+launch); when the host's total per step approaches the step time, the step is launch-bound.
+The step's total is measured separately, without wrappers.
 
     python benchmarks/breakdown_linear.py --recipe nvfp4 --shape 16384,4096,4096
 """
@@ -49,58 +51,74 @@ def _nbytes(obj: Any) -> int:
 
 
 class Recorder:
-    """Exclusive CUDA-event timings of wrapped calls, keyed by (phase, operation, shape)."""
+    """Per-call timings of wrapped operations, keyed by (phase, operation, shape).
+
+    Two passes over the same steps: `mode = "host"` times each call's host cost with
+    perf_counter (exclusive of nested wrapped calls); `mode = "device"` wraps each call in a
+    profiler range, and `device_totals(prof)` reads its span on the GPU timeline (CUPTI
+    timestamps of its first and last kernel), exclusive of nested ranges. A span holding two
+    kernels also holds any idle gap between them."""
 
     def __init__(self) -> None:
         self.phase = "fwd"
-        self.stack: list[list[Any]] = []
-        self.records: list[dict[str, Any]] = []
-        self.active = False
+        self.mode: str | None = None
+        self.host_stack: list[float] = []
+        self.records: dict[str, dict[str, Any]] = {}  # range name -> call record
+        self.calls = 0
+        self.host: list[dict[str, Any]] = []
 
     def wrap(self, module: Any, name: str, label: str, work) -> None:
         real = getattr(module, name)
 
         @functools.wraps(real)
         def timed(*args, **kwargs):
-            if not self.active:
-                return real(*args, **kwargs)
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            # [start event, child (start, end) pairs, host seconds of the children]
-            frame = [start, [], 0.0]
-            self.stack.append(frame)
-            t0 = time.perf_counter()
-            out = real(*args, **kwargs)
-            host = time.perf_counter() - t0
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.stack.pop()
-            if self.stack:
-                self.stack[-1][1].append((start, end))
-                self.stack[-1][2] += host
-            shape, nbytes, flops = work(args, kwargs, out)
-            self.records.append(
-                dict(phase=self.phase, op=label, shape=shape, bytes=nbytes, flops=flops,
-                     start=start, end=end, children=frame[1], host=host - frame[2])
-            )  # fmt: skip
-            return out
+            if self.mode == "device":
+                self.calls += 1  # numbered on entry: nested calls get their own names
+                range_name = f"bs#{self.calls}"
+                with torch.profiler.record_function(range_name):
+                    out = real(*args, **kwargs)
+                shape, nbytes, flops = work(args, kwargs, out)
+                self.records[range_name] = dict(phase=self.phase, op=label, shape=shape,
+                                                bytes=nbytes, flops=flops)  # fmt: skip
+                return out
+            if self.mode == "host":
+                self.host_stack.append(0.0)
+                t0 = time.perf_counter()
+                out = real(*args, **kwargs)
+                host = time.perf_counter() - t0
+                nested = self.host_stack.pop()
+                if self.host_stack:
+                    self.host_stack[-1] += host
+                shape, _, _ = work(args, kwargs, out)
+                self.host.append(dict(phase=self.phase, op=label, shape=shape, s=host - nested))
+                return out
+            return real(*args, **kwargs)
 
         setattr(module, name, timed)
 
-    def totals(self) -> list[dict[str, Any]]:
-        torch.cuda.synchronize()
+    def device_totals(self, prof: Any) -> list[dict[str, Any]]:
+        # Each profiler range also appears on the GPU timeline (a user annotation spanning its
+        # kernels): its length is the range's GPU time. Nested ranges (the amax pass inside a
+        # quantize call) are subtracted from the range that contains them.
+        spans = []
+        for evt in prof.events():
+            if evt.name in self.records and evt.device_type != torch.autograd.DeviceType.CPU:
+                spans.append((evt.time_range.start, evt.time_range.end, evt.name))
         rows: dict[tuple, dict[str, Any]] = {}
-        for r in self.records:
-            ms = r["start"].elapsed_time(r["end"])
-            ms -= sum(s.elapsed_time(e) for s, e in r["children"])
-            key = (r["phase"], r["op"], r["shape"])
+        for start, end, name in spans:
+            inner = sum(e - s for s, e, n in spans if n != name and s >= start and e <= end)
+            rec = self.records[name]
+            key = (rec["phase"], rec["op"], rec["shape"])
             row = rows.setdefault(key, dict(phase=key[0], op=key[1], shape=key[2], calls=0,
                                             ms=0.0, bytes=0, flops=0, host_ms=0.0))  # fmt: skip
             row["calls"] += 1
-            row["host_ms"] += 1e3 * r["host"]
-            row["ms"] += ms
-            row["bytes"] += r["bytes"]
-            row["flops"] += r["flops"]
+            row["ms"] += (end - start - inner) / 1e3
+            row["bytes"] += rec["bytes"]
+            row["flops"] += rec["flops"]
+        for h in self.host:
+            row = rows.get((h["phase"], h["op"], h["shape"]))
+            if row is not None:
+                row["host_ms"] += 1e3 * h["s"]
         return list(rows.values())
 
 
@@ -150,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = harness.pick_device(args.device)
     if device.type != "cuda":
-        print("breakdown_linear needs a CUDA device (it times with CUDA events)")
+        print("breakdown_linear needs a CUDA device (it reads GPU kernel times)")
         return 1
     if args.acc_chunk_mib is not None:
         dispatch.ACC_CHUNK_BYTES = int(args.acc_chunk_mib * 2**20)
@@ -203,16 +221,28 @@ def main(argv: list[str] | None = None) -> int:
 
     rec = Recorder()
     install(rec)
-    rec.active = True
+    rec.mode = "host"
     for _ in range(reps):
         step(layer, rec)
-    rows = rec.totals()
+    torch.cuda.synchronize()
+    rec.mode = "device"
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        for _ in range(reps):
+            step(layer, rec)
+        torch.cuda.synchronize()
+    rec.mode = None
+    rows = rec.device_totals(prof)
+    if not rows:
+        print("the profiler attributed no kernel to the wrapped operations")
+        return 1
     gemm_ceiling: dict[str, float] = {}
     for r in rows:
         r["calls"] //= reps
         r["us"] = 1e3 * r["ms"] / reps
         r["host_us"] = 1e3 * r["host_ms"] / reps
-        seconds = r["ms"] * 1e-3
+        seconds = max(r["ms"], 1e-9) * 1e-3
         if r["flops"]:
             gm, gk, gn = (int(v) for v in r["shape"].split("x"))
             if r["shape"] not in gemm_ceiling:

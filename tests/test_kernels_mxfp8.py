@@ -106,6 +106,26 @@ def test_both_directions_write_only_the_dq_asked_for():
                 assert_bits(dq, r.dq())
 
 
+@pytest.mark.parametrize("shape", [(64, 96), (17, 64), (3, 5, 32)], ids=str)
+def test_dequantize_dq_kernel(shape):
+    x = randn(*shape, seed=6, outliers=True)
+    x.view(-1)[:4] = torch.tensor([1e-38, -3e-39, 0.0, -0.0])  # BF16 subnormals, signed zero
+    r = mxfp8.quantize(x)
+    assert_bits(kernels.mxfp8_dequantize_dq(r), r.dq())
+    rt = mxfp8.quantize(x.reshape(-1, shape[-1]), transpose=True) if shape[0] % 32 == 0 else r
+    assert_bits(kernels.mxfp8_dequantize_dq(rt), rt.dq())
+
+
+def test_dequantize_dq_kernel_non_finite_and_extreme_scales():
+    x = randn(32, 96, seed=7)
+    x[0, 0] = float("nan")  # block 0 of row 0: NaN scale
+    x[1, 40] = float("inf")
+    x[2, 64:96] = 2.0**-140  # the smallest scales: products below 2^-133 round in BF16
+    x[3, 32:64] = 3e38  # the largest
+    r = mxfp8.quantize(x.float())
+    assert_bits(kernels.mxfp8_dequantize_dq(r), r.dq())
+
+
 def test_shape_rules():
     with pytest.raises(ValueError, match="K=48"):
         kernels.mxfp8_quantize(torch.zeros(4, 48, device=DEV))
@@ -126,3 +146,4 @@ def test_gpu_large_shapes(shape):
     rc = mxfp8.quantize(x, transpose=True)
     assert_same(qc, rc)
     assert_bits(dqc, rc.dq())
+    assert_bits(kernels.mxfp8_dequantize_dq(qc), dqc)

@@ -284,7 +284,23 @@ def test_ops_are_registered_and_pass_opcheck():
     x = randn(32, 32, seed=14)
     amax = torch.ones(1, device=DEV)
     op = torch.ops.blockscale.nvfp4_quantize_2d
-    args = (x, amax, amax, None, None, None, True, True, False, False, False, False, True, True, True)
+    args = (
+        x,
+        amax,
+        amax,
+        None,
+        None,
+        None,
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+        True,
+        True,
+        True,
+    )
     utils = ("test_schema", "test_faketensor") if ON_GPU else ("test_schema",)
     torch.library.opcheck(op, args, test_utils=utils)
     data, scale, *_ = op(*args)

@@ -9,7 +9,7 @@ the CPU tests): `available(x)` says which.
 from blockscale.kernels._common import available
 from blockscale.kernels.amax import amax, amax_fused, amax_hadamard_t
 from blockscale.kernels.epilogue import gemm_epilogue
-from blockscale.kernels.mxfp8 import mxfp8_quantize, mxfp8_quantize_both
+from blockscale.kernels.mxfp8 import mxfp8_dequantize_dq, mxfp8_quantize, mxfp8_quantize_both
 from blockscale.kernels.nvfp4 import nvfp4_dequantize_dq, nvfp4_quantize, nvfp4_quantize_both
 from blockscale.kernels.swizzle import swizzle_scales
 from blockscale.kernels.transpose import nvfp4_transpose_16x16
@@ -26,5 +26,6 @@ __all__ = [
     "nvfp4_transpose_16x16",
     "mxfp8_quantize",
     "mxfp8_quantize_both",
+    "mxfp8_dequantize_dq",
     "swizzle_scales",
 ]

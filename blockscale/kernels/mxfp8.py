@@ -127,6 +127,31 @@ def _mxfp8_quantize_kernel(
             )  # fmt: skip
 
 
+@triton.jit
+def _mxfp8_dequantize_kernel(
+    data_ptr, scale_ptr, out_ptr, R, C, BR: tl.constexpr, BC: tl.constexpr
+):
+    """E4M3 bytes + E8M0 scales -> BF16 data * 2^e (the `_dq` operand): the FP32 product is
+    exact (a 4-bit significand times a power of two, down to 2^-136), then rounded to BF16
+    as the reference's cast does (only values below 2^-133 round)."""
+    r0 = tl.program_id(0) * BR
+    c0 = tl.program_id(1) * BC
+    rows = r0 + tl.arange(0, BR)
+    cols = c0 + tl.arange(0, BC)
+    m = (rows < R)[:, None] & (cols < C)[None, :]
+    byte = tl.load(data_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0).to(tl.int32)
+    sc = c0 // 32 + tl.arange(0, BC // 32)
+    ecode = tl.load(
+        scale_ptr + rows[:, None] * (C // 32) + sc[None, :],
+        mask=(rows < R)[:, None] & (sc < C // 32)[None, :],
+        other=127,
+    ).to(tl.int32)
+    scale = tl.where(ecode == 255, float("nan"), exp2_int(ecode - 127))
+    v = tl.reshape(e4m3_byte_value(byte), [BR, BC // 32, 32]) * scale[:, :, None]
+    dq = round_to_bf16(tl.reshape(v, [BR, BC]))
+    tl.store(out_ptr + rows[:, None] * C + cols[None, :], bf16_bits(dq), mask=m)
+
+
 # (BM, BK, num_warps) per kind of launch (docs/KERNELS.md); the benchmark may sweep these.
 TILES = {
     "row": (64, 128, 8),
@@ -172,6 +197,19 @@ def _mxfp8_quantize_2d(
     return data, scale, dq_r, data_t, scale_t, dq_c
 
 
+@library_op("blockscale::mxfp8_dequantize_2d", mutates_args=(), triton=True)
+def _mxfp8_dequantize_2d(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """data uint8 (E4M3 bytes) [R, C], scale uint8 (E8M0 bytes) [R, C/32] -> BF16 [R, C]."""
+    R, C = data.shape
+    out = torch.empty(R, C, dtype=torch.bfloat16, device=data.device)
+    if R and C:
+        grid = (cdiv(R, 32), cdiv(C, 128))
+        torch.library.wrap_triton(_mxfp8_dequantize_kernel)[grid](
+            data, scale, out.view(torch.int16), R, C, BR=32, BC=128, num_warps=4
+        )
+    return out
+
+
 def _container(data, scale, shape) -> MXFP8Tensor:
     lead = shape[:-1]
     return MXFP8Tensor(
@@ -215,3 +253,12 @@ def mxfp8_quantize_both(x: torch.Tensor, return_dq: bool | tuple[bool, bool] = F
             (q_col, dq_t if want_col else None),
         )
     return q_row, q_col
+
+
+def mxfp8_dequantize_dq(q: MXFP8Tensor) -> torch.Tensor:
+    """The BF16 `_dq` operand (data * 2^e) of a saved MXFP8Tensor; equals q.dq()."""
+    cols = q.shape[-1]
+    # (a formats/ transpose=True container holds a transposed view: the kernel reads rows)
+    data = q.data.view(torch.uint8).reshape(-1, cols).contiguous()
+    scale = q.scale.view(torch.uint8).reshape(-1, cols // BLOCK).contiguous()
+    return _mxfp8_dequantize_2d(data, scale).reshape(q.shape)

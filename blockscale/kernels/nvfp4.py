@@ -492,6 +492,6 @@ def nvfp4_dequantize_dq(q: NVFP4Tensor) -> torch.Tensor:
     """The BF16 `_dq` operand (code * block scale, no global scale) of a saved NVFP4Tensor;
     equals q.dq()."""
     cols = q.shape[-1]
-    data = q.data.reshape(-1, cols // 2)
-    scale = q.scale.view(torch.uint8).reshape(-1, cols // BLOCK)
+    data = q.data.reshape(-1, cols // 2).contiguous()
+    scale = q.scale.view(torch.uint8).reshape(-1, cols // BLOCK).contiguous()
     return _nvfp4_dequantize_2d(data, scale).reshape(q.shape)

@@ -89,13 +89,15 @@ class NVFP4Operand(NVFP4Tensor):
 
 @dataclass
 class MXFP8Operand(MXFP8Tensor):
-    """An MXFP8Tensor that may carry its exact BF16 `_dq` from the quantize kernel."""
+    """An MXFP8Tensor whose `_dq` the kernels provide, as NVFP4Operand's."""
 
     dq_bf16: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def dq(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if self.dq_bf16 is not None:
             return self.dq_bf16.to(dtype)
+        if use_kernels(self.data):
+            return _kernels().mxfp8_dequantize_dq(self).to(dtype)
         return super().dq(dtype)
 
 
