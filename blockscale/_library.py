@@ -1,4 +1,5 @@
-"""Registering blockscale's operators with torch.library without paying for it in eager mode.
+"""Registering blockscale's operators with torch.library without paying for it in eager mode,
+and the one switch that says where the Triton kernels run (`use_kernels`).
 
 `library_op(name, mutates_args, triton=...)` registers a function as a `torch.library` op
 (`triton_op` for functions that launch Triton kernels through `wrap_triton`, `custom_op`
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -51,3 +53,20 @@ def library_op(
         return call
 
     return register
+
+
+@functools.cache
+def kernels() -> ModuleType | None:
+    """blockscale.kernels, or None where Triton is not installed (CPU-only installs)."""
+    try:
+        from blockscale import kernels as module  # noqa: PLC0415 (Triton is optional)
+    except ImportError:
+        return None
+    return module
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """Whether `x` is quantized (and its GEMM epilogue run) by the Triton kernels: CUDA
+    tensors, when Triton is there. ops/ and gemm/ both ask here, so a test that switches it
+    on for CPU tensors (Triton's interpreter) switches the whole kernel path."""
+    return x.is_cuda and kernels() is not None

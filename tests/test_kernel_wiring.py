@@ -1,8 +1,9 @@
 """The linear layer gives the same bits whether the Triton kernels or the formats/ references
 quantize its operands.
 
-On the GPU the kernels are chosen for every CUDA tensor. Here, on the CPU, `use_kernels` is
-switched on so the kernels run in Triton's interpreter (tests/conftest.py turns it on), and
+On the GPU the kernels are chosen for every CUDA tensor. Here, on the CPU,
+`blockscale._library.use_kernels` is switched on so the kernels run in Triton's interpreter
+(tests/conftest.py turns it on), the GEMM epilogue kernel included, and
 each recipe's forward output, grad_input and grad_weight must equal the reference path's
 exactly: the kernels are bit-exact to formats/ for nearest rounding, the `_dq` operands they
 write are the same exact values, and the GEMM that consumes them is the same call.
@@ -12,9 +13,8 @@ Stochastic rounding is off (the kernels draw Philox bits, not torch.rand's).
 import pytest
 import torch
 
-from blockscale import recipes
+from blockscale import _library, recipes
 from blockscale.ops import linear
-from blockscale.ops import quantize as ops_quantize
 
 pytest.importorskip("triton")
 
@@ -46,15 +46,15 @@ def test_kernel_path_equals_reference_path(name, tokens, monkeypatch):
     reference = _step(x, w, b, RECIPES[name])
 
     calls = []
-    real = ops_quantize.use_kernels
+    real = _library.use_kernels
 
     def on_cpu_too(t):
         calls.append(t.shape)
         return True
 
-    monkeypatch.setattr(ops_quantize, "use_kernels", on_cpu_too)
+    monkeypatch.setattr(_library, "use_kernels", on_cpu_too)
     kernel = _step(x, w, b, RECIPES[name])
-    monkeypatch.setattr(ops_quantize, "use_kernels", real)
+    monkeypatch.setattr(_library, "use_kernels", real)
 
     assert calls, "the kernel path was never taken"
     for got, want, what in zip(kernel, reference, ("output", "grad_input", "grad_weight")):

@@ -30,6 +30,7 @@ from enum import StrEnum
 
 import torch
 
+from blockscale import _library
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.gemm import emulated, native
@@ -149,9 +150,7 @@ def _fused_epilogue(a_dq: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tens
         return False
     if bias is not None and bias.requires_grad and torch.is_grad_enabled():
         return False
-    from blockscale.ops.quantize import use_kernels  # noqa: PLC0415 (ops imports gemm)
-
-    return use_kernels(a_dq)
+    return _library.use_kernels(a_dq)
 
 
 def _amaxes(a: Operand, b: Operand) -> torch.Tensor | None:

@@ -27,13 +27,13 @@ blocks then run along the tokens, the layout the grad_weight operands need.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from blockscale import _library
 from blockscale.formats import mxfp8, nvfp4
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import NVFP4Tensor
@@ -57,19 +57,13 @@ class HighPrecisionTensor:
         return self.data.to(dtype)
 
 
-@functools.cache
-def _kernels() -> ModuleType | None:
-    """blockscale.kernels, or None where Triton is not installed (CPU-only installs)."""
-    try:
-        from blockscale import kernels
-    except ImportError:
-        return None
-    return kernels
+def _kernels() -> ModuleType:
+    return _library.kernels()  # type: ignore[return-value]
 
 
 def use_kernels(x: torch.Tensor) -> bool:
-    """Whether `x` is quantized by the Triton kernels: CUDA tensors, when Triton is there."""
-    return x.is_cuda and _kernels() is not None
+    """Whether `x` is quantized by the Triton kernels (`blockscale._library.use_kernels`)."""
+    return _library.use_kernels(x)
 
 
 @dataclass
