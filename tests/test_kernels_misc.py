@@ -177,6 +177,7 @@ def test_gemm_epilogue_rejects_bad_arguments():
 def test_gemm_epilogue_op_schema():
     acc, bias = epilogue_inputs(m=16, n=32, seed=2)
     out = torch.empty(16, 32, dtype=torch.bfloat16, device=DEV)
-    args = (acc, torch.ones(2, device=DEV), bias, out)
+    one = torch.ones((), device=DEV)
+    args = (acc, one, one, bias, out)
     utils = ("test_schema", "test_faketensor") if ON_GPU else ("test_schema",)
     torch.library.opcheck(torch.ops.blockscale.gemm_epilogue, args, test_utils=utils)

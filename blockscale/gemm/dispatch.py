@@ -153,18 +153,19 @@ def _fused_epilogue(a_dq: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tens
     return _library.use_kernels(a_dq)
 
 
-def _amaxes(a: Operand, b: Operand) -> torch.Tensor | None:
-    """The two NVFP4 tensor amaxes alpha is made of, as one FP32 [2] tensor (None for MXFP8)."""
+def _amaxes(a: Operand, b: Operand) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The two NVFP4 tensor amaxes alpha is made of (None for MXFP8). Passed as they are: a
+    torch.stack would be one more launch per GEMM on a launch-bound step."""
     if not _is_nvfp4(a):
         return None
-    amax = [op.base.amax if isinstance(op, Transposed) else op.amax for op in (a, b)]
-    return torch.stack(amax).float()
+    a_amax, b_amax = (op.base.amax if isinstance(op, Transposed) else op.amax for op in (a, b))
+    return a_amax, b_amax
 
 
 def _emulated_fused(
     a_dq: torch.Tensor,
     b_dq: torch.Tensor,
-    amax: torch.Tensor | None,
+    amax: tuple[torch.Tensor, torch.Tensor] | None,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:

@@ -56,7 +56,7 @@ def _decode_scale(amax):
 
 @triton.jit
 def _epilogue_kernel(
-    acc_ptr, amax_ptr, bias_ptr, out_ptr, M, N, stride_acc, stride_out,
+    acc_ptr, amax_a_ptr, amax_b_ptr, bias_ptr, out_ptr, M, N, stride_acc, stride_out,
     HAS_ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
@@ -65,7 +65,7 @@ def _epilogue_kernel(
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     v = tl.load(acc_ptr + rows[:, None] * stride_acc + cols[None, :], mask=mask, other=0.0)
     if HAS_ALPHA:
-        alpha = _decode_scale(tl.load(amax_ptr)) * _decode_scale(tl.load(amax_ptr + 1))
+        alpha = _decode_scale(tl.load(amax_a_ptr)) * _decode_scale(tl.load(amax_b_ptr))
         v = _mul_rn(v, tl.broadcast_to(alpha, [BM, BN]), ASM)
     if HAS_BIAS:
         b = tl.load(bias_ptr + cols, mask=cols < N, other=0.0)
@@ -79,7 +79,11 @@ def _epilogue_kernel(
 
 @library_op("blockscale::gemm_epilogue", mutates_args=("out",), triton=True)
 def _gemm_epilogue(
-    acc: torch.Tensor, amax: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor
+    acc: torch.Tensor,
+    amax_a: torch.Tensor | None,
+    amax_b: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
 ) -> None:
     M, N = acc.shape
     if M == 0 or N == 0:
@@ -89,25 +93,26 @@ def _gemm_epilogue(
     bf16 = out.dtype == torch.bfloat16
     dst = out.view(torch.int16) if bf16 else out
     torch.library.wrap_triton(_epilogue_kernel)[grid](
-        acc, amax if amax is not None else acc, bias if bias is not None else acc, dst,
+        acc, amax_a if amax_a is not None else acc, amax_b if amax_b is not None else acc,
+        bias if bias is not None else acc, dst,
         M, N, acc.stride(0), out.stride(0),
-        HAS_ALPHA=amax is not None, HAS_BIAS=bias is not None, OUT_BF16=bf16,
+        HAS_ALPHA=amax_a is not None, HAS_BIAS=bias is not None, OUT_BF16=bf16,
         ASM=not interpreting(), BM=bm, BN=bn, num_warps=4,
     )  # fmt: skip
 
 
 def gemm_epilogue(
     acc: torch.Tensor,
-    amax: torch.Tensor | None = None,
+    amax: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """cast(acc * alpha + bias) for an FP32 accumulator [M, N], with alpha = S_dec_a * S_dec_b
-    from `amax` = the two NVFP4 operands' FP32 tensor amaxes ([2], or None for alpha = 1) and
-    an optional bias [N] (added in FP32), into `out` (a [M, N] tensor with unit column
-    stride, e.g. a row slice of a larger output, or `acc` itself) or a new `out_dtype` tensor
-    (BF16 or FP32)."""
+    from `amax` = the two NVFP4 operands' FP32 tensor amaxes (a pair of scalars, or one
+    tensor of 2; None for alpha = 1) and an optional bias [N] (added in FP32), into `out` (a
+    [M, N] tensor with unit column stride, e.g. a row slice of a larger output, or `acc`
+    itself) or a new `out_dtype` tensor (BF16 or FP32)."""
     if acc.dtype != torch.float32 or acc.dim() != 2 or acc.stride(1) != 1:
         raise ValueError(
             f"acc must be a 2-D FP32 tensor with unit column stride, got {acc.dtype} "
@@ -120,13 +125,15 @@ def gemm_epilogue(
             f"out must be {tuple(acc.shape)} BF16 or FP32 with unit column stride, got "
             f"{out.dtype} {tuple(out.shape)} strides {out.stride()}"
         )
+    amax_a = amax_b = None
     if amax is not None:
-        if amax.numel() != 2:
-            raise ValueError(f"amax must hold the two operands' amaxes, got {amax.numel()}")
-        amax = amax.to(device=acc.device, dtype=torch.float32).reshape(2)
+        pair = tuple(amax) if isinstance(amax, tuple | list) else tuple(amax.reshape(-1))
+        if len(pair) != 2 or any(a.numel() != 1 for a in pair):
+            raise ValueError(f"amax must hold the two operands' amaxes, got {len(pair)}")
+        amax_a, amax_b = (a.to(device=acc.device, dtype=torch.float32) for a in pair)
     if bias is not None:
         if bias.shape != (acc.shape[1],):
             raise ValueError(f"bias must be [{acc.shape[1]}], got {tuple(bias.shape)}")
         bias = bias.to(device=acc.device, dtype=torch.float32).contiguous()
-    _gemm_epilogue(acc, amax, bias, out)
+    _gemm_epilogue(acc, amax_a, amax_b, bias, out)
     return out
