@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     info = harness.banner(device)
     x = torch.randn(256, 256, device=device, dtype=torch.bfloat16)
     acc = torch.randn(256, 256, device=device)
-    alpha = torch.ones((), device=device)
+    amax = (torch.ones((), device=device), torch.ones((), device=device))
     q = kernels.nvfp4_quantize(x)
     out = torch.zeros(2, dtype=torch.int32, device=device)
     h = torch.eye(16, device=device)
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         "kernels.nvfp4_quantize_both (+amax)": lambda: kernels.nvfp4_quantize_both(x),
         "kernels.nvfp4_dequantize_dq": lambda: kernels.nvfp4_dequantize_dq(q),
         "kernels.mxfp8_quantize_both": lambda: kernels.mxfp8_quantize_both(x),
-        "kernels.gemm_epilogue": lambda: kernels.gemm_epilogue(acc, alpha),
+        "kernels.gemm_epilogue": lambda: kernels.gemm_epilogue(acc, amax),
     }
     rows = []
     for name, fn in cases.items():
