@@ -8,12 +8,25 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from blockscale.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def python_m_blockscale(*args: str) -> subprocess.CompletedProcess:
+    """`python -m blockscale ARGS` from the repository root, one thread, output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "blockscale", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ONE_THREAD,
+    )
+
+
 FAST = [
     "--steps",
     "8",
@@ -36,14 +49,8 @@ FAST = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    """tiny's matrices are too small to gain from a second thread, and two OpenMP threads slow
-    down several times over when another process shares the cores: train on one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# training tests run on one CPU thread (tests/conftest.py says why)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")
@@ -134,9 +141,7 @@ def test_bad_input_gets_one_line_and_status_2(args, message, capsys):
 
 
 def test_python_m_blockscale_trains_resumes_and_evaluates(tmp_path):
-    run = [sys.executable, "-m", "blockscale"]
     train = [
-        *run,
         "train",
         "--quiet",
         "--out",
@@ -154,33 +159,19 @@ def test_python_m_blockscale_trains_resumes_and_evaluates(tmp_path):
         "--max-data-bytes",
         "100000",
     ]
-    done = subprocess.run(
-        train, cwd=ROOT, capture_output=True, text=True, timeout=120, env=ONE_THREAD
-    )
+    done = python_m_blockscale(*train)
     assert done.returncode == 0, done.stderr
     summary = next(line for line in done.stdout.splitlines() if line.startswith("{"))
     assert json.loads(summary)["status"] == "done"
-    longer = subprocess.run(
-        [*run, "train", "--quiet", "--out", str(tmp_path), "--resume", "--steps", "5"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=ONE_THREAD,
+    longer = python_m_blockscale(
+        "train", "--quiet", "--out", str(tmp_path), "--resume", "--steps", "5"
     )
     assert longer.returncode == 0, longer.stderr
     steps = [
         json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
     ]
     assert steps == [1, 2, 3, 4, 5]
-    scored = subprocess.run(
-        [*run, "eval", "--run", str(tmp_path), "--max-tokens", "4096"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=ONE_THREAD,
-    )
+    scored = python_m_blockscale("eval", "--run", str(tmp_path), "--max-tokens", "4096")
     assert scored.returncode == 0, scored.stderr
     assert "step_000005" in scored.stdout and "bits/byte" in scored.stdout
 

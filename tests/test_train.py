@@ -34,14 +34,8 @@ SHORT = TrainConfig(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    """tiny's matrices are too small to gain from a second thread, and two OpenMP threads slow
-    down several times over when another process shares the cores: train on one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# training tests run on one CPU thread (tests/conftest.py says why)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def rows(run_dir, kind):
