@@ -1,12 +1,12 @@
 """Kernel-by-kernel breakdown of one linear training step (forward + backward) under a recipe.
 
 Each operation the step runs on the GPU (global amax, quantization, dequantization of saved
-operands, the GEMMs and their epilogue) is timed by the profiler (the GPU-timeline span of the
-kernels it launched, exclusive of the operations nested in it) and reported with what it moved: bytes read + written as a
-fraction of the device-to-device copy ceiling, or for the GEMMs TFLOP/s as a fraction of a
-BF16 GEMM of the same shape (cuBLAS, BF16 output), both measured in the same run. "other" is
-the step time not covered by a timed operation (small PyTorch ops, and the GPU idling while
-the host launches).
+operands, the GEMMs and their epilogue) is timed by the profiler (the GPU-timeline span of
+the kernels it launched, exclusive of the operations nested in it) and reported with what it
+moved: bytes read + written as a fraction of the device-to-device copy ceiling, or for the
+GEMMs TFLOP/s as a fraction of a BF16 GEMM of the same shape (cuBLAS, BF16 output), both
+measured in the same run. "other" is the step time not covered by a timed operation (small
+PyTorch ops, and the GPU idling while the host launches).
 
 Timing wraps the library's functions where `ops/`, `gemm/` and `kernels/` call them, so the
 step is the library's own code path. "host_us" is the CPU time of each call (Python and
@@ -152,7 +152,8 @@ def install(rec: Recorder) -> None:
     rec.wrap(bk_nvfp4, "amax_of_copy", "amax", read_input)
     for name in ("nvfp4_quantize", "nvfp4_quantize_both", "mxfp8_quantize", "mxfp8_quantize_both"):
         rec.wrap(bk, name, name.replace("_", " "), quantize)
-    rec.wrap(bk, "nvfp4_dequantize_dq", "nvfp4 dequantize (saved operand)", dequantize)
+    for name in ("nvfp4_dequantize_dq", "mxfp8_dequantize_dq"):
+        rec.wrap(bk, name, f"{name.split('_')[0]} dequantize (saved operand)", dequantize)
     rec.wrap(emulated, "mm_fp32_accumulate", "GEMM (cuBLAS, FP32 out)", gemm)
     rec.wrap(bk, "gemm_epilogue", "GEMM epilogue (alpha, bias, cast)", epilogue)
 
@@ -199,8 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
     step_ms = harness.time_fn(lambda: step(layer), warmup=3, reps=reps, device=device).median_ms
     # Host time of a step: the Python and launch cost, without waiting for the GPU. When it
-    # exceeds the GPU time the step is launch-bound and the event timings below include
-    # idle GPU time.
+    # approaches the GPU time the step is launch-bound (the GPU idles between launches).
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(reps):

@@ -7,8 +7,9 @@ caller, by choosing it in `_quantize_nvfp4` / `_quantize_mxfp8` by device.
 
 `quantize_rows_and_tokens(x, row, tokens)` makes the two copies a linear layer needs of one
 activation (input in the forward, grad_output in the backward): one along its feature dim for
-the GEMM at hand, one along tokens for grad_weight. It is the seam for a kernel that reads x
-once and writes both copies; today it calls `quantize_operand` twice.
+the GEMM at hand, one along tokens for grad_weight. Where the kernels run and the formats
+allow, one kernel reads x once and writes both copies; otherwise it calls `quantize_operand`
+twice.
 
 Quantizers: on CUDA tensors the Triton kernels of `blockscale/kernels/` (bit-exact to
 formats/ for nearest rounding; stochastic rounding draws Philox bits seeded from PyTorch's
@@ -58,12 +59,8 @@ class HighPrecisionTensor:
 
 
 def _kernels() -> ModuleType:
+    """blockscale.kernels; called only where `_library.use_kernels` said the kernels run."""
     return _library.kernels()  # type: ignore[return-value]
-
-
-def use_kernels(x: torch.Tensor) -> bool:
-    """Whether `x` is quantized by the Triton kernels (`blockscale._library.use_kernels`)."""
-    return _library.use_kernels(x)
 
 
 @dataclass
@@ -76,7 +73,7 @@ class NVFP4Operand(NVFP4Tensor):
     def dq(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if self.dq_bf16 is not None:
             return self.dq_bf16.to(dtype)
-        if use_kernels(self.data):
+        if _library.use_kernels(self.data):
             return _kernels().nvfp4_dequantize_dq(self).to(dtype)
         return super().dq(dtype)
 
@@ -90,7 +87,7 @@ class MXFP8Operand(MXFP8Tensor):
     def dq(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if self.dq_bf16 is not None:
             return self.dq_bf16.to(dtype)
-        if use_kernels(self.data):
+        if _library.use_kernels(self.data):
             return _kernels().mxfp8_dequantize_dq(self).to(dtype)
         return super().dq(dtype)
 
@@ -117,14 +114,14 @@ def _quantize_nvfp4(
     dq: bool,
 ) -> NVFP4Tensor:
     options = dict(_nvfp4_options(config), hadamard=config.hadamard, transpose=transpose)
-    if use_kernels(x):
+    if _library.use_kernels(x):
         out = _kernels().nvfp4_quantize(x, generator=generator, return_dq=dq, **options)
         return as_operand(*out) if dq else as_operand(out)
     return nvfp4.quantize(x, generator=generator, **options)
 
 
 def _quantize_mxfp8(x: torch.Tensor, transpose: bool, dq: bool) -> MXFP8Tensor:
-    if use_kernels(x):
+    if _library.use_kernels(x):
         out = _kernels().mxfp8_quantize(x, transpose=transpose, return_dq=dq)
         return as_operand(*out) if dq else as_operand(out)
     return mxfp8.quantize(x, transpose=transpose)
@@ -171,7 +168,7 @@ def _both_from_one_read(
     tokens_dq: bool,
 ) -> tuple[QuantizedOperand, QuantizedOperand] | None:
     """Both copies from one kernel pass over x, where the formats allow it; else None."""
-    if not use_kernels(x) or row.format is not tokens.format or row.hadamard:
+    if not _library.use_kernels(x) or row.format is not tokens.format or row.hadamard:
         return None
     if x.shape[0] % tokens.block_size:  # the token copy needs padding: no shared read
         return None
