@@ -24,18 +24,13 @@ from pathlib import Path
 
 import torch
 
+from blockscale import recipes
 from blockscale.models import SIZES
 from blockscale.train.loop import read_metrics
 
 BASELINE = "bf16"
-OPERANDS = (  # panel order: forward, then the two backward GEMMs
-    "output.input",
-    "output.weight",
-    "grad_input.grad_output",
-    "grad_input.weight",
-    "grad_weight.grad_output_t",
-    "grad_weight.input_t",
-)
+# panel order: the recipe's operand order (forward, then the two backward GEMMs)
+OPERANDS = tuple(name for name, _ in recipes.get(BASELINE).operands())
 
 
 def load_run(run_dir: Path) -> dict:
