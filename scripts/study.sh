@@ -9,6 +9,10 @@
 #   scripts/study.sh run DATA OUT [NAME]   one variant (or all in turn); each call stops cleanly
 #                                          after MAX_MINUTES with exit status 3: rerun the same
 #                                          command to continue (status 0: finished)
+#   scripts/study.sh queue DATA OUT NAME.. the named variants one after another (one GPU: set
+#                                          CUDA_VISIBLE_DEVICES); with UNTIL (epoch seconds) each
+#                                          run's MAX_MINUTES is the time left, and none starts
+#                                          with under a minute left
 #   scripts/study.sh report DATA OUT       report.md, plots and report.json from the runs so far
 #   scripts/study.sh pack OUT DEST         DEST/study.tar.gz: reports, metrics, configs (no checkpoints)
 #
@@ -35,7 +39,7 @@ pack)
     out=$(abspath "$2"); dest=$(abspath "$3"); mkdir -p "$dest"
     tar -C "$out" --exclude=checkpoints -czf "$dest/study.tar.gz" .
     echo "$dest/study.tar.gz"; exit 0 ;;
-smoke | run | report) [ $# -ge 3 ] || usage ;;
+smoke | run | report | queue) [ $# -ge 3 ] || usage ;;
 *) usage ;;
 esac
 data=$(abspath "$2"); out=$(abspath "$3"); name=${4:-}
@@ -64,6 +68,17 @@ STUDY=(--steps "${STEPS:-4000}" --batch-size "${BATCH:-32}" --seq-len 1024 --lr 
 [ "${COMPILE:-1}" = 1 ] && STUDY+=(--compile)
 
 case "$mode" in
+queue)
+    shift 3
+    [ $# -ge 1 ] || usage
+    for v in "$@"; do
+        if [ -n "${UNTIL:-}" ]; then
+            left=$(( UNTIL - $(date +%s) ))
+            [ "$left" -ge 60 ] || { echo "$v: not started, ${left}s left"; continue; }
+            export MAX_MINUTES=$(awk "BEGIN { print $left / 60 }")
+        fi
+        "$0" run "$data" "$out" "$v" || echo "$v: exit status $?"
+    done ;;
 run)
     only=(); [ -n "$name" ] && only=(--only "$name")
     status=0
