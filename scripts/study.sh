@@ -13,12 +13,18 @@
 #                                          CUDA_VISIBLE_DEVICES); with UNTIL (epoch seconds) each
 #                                          run's MAX_MINUTES is the time left, and none starts
 #                                          with under a minute left
+#   scripts/study.sh start DATA OUT NAME.. each named variant in its own detached process (setsid,
+#                                          log in OUT/NAME.log), side by side; GPUS="0 1" deals
+#                                          them out over those GPUs in turn (default: all share
+#                                          the visible ones). Returns at once: poll with status
+#   scripts/study.sh status OUT            one line per run: step, tokens, last training and
+#                                          held-out loss, tokens/s, and whether it still runs
 #   scripts/study.sh report DATA OUT       report.md, plots and report.json from the runs so far
 #   scripts/study.sh pack OUT DEST         DEST/study.tar.gz: reports, metrics, configs (no checkpoints)
 #
-# Environment: PYTHON (python3), STEPS (4000: 4000 x 32 x 1024 = 131M tokens per run),
+# Environment: PYTHON (python3), STEPS (6104: 6104 x 32 x 1024 = 200.0M tokens per run),
 # BATCH (32), LR (1e-3), MAX_MINUTES (8.5), COMPILE (1), SEED (0), MODEL (small; tiny checks
-# the script itself on a CPU).
+# the script itself on a CPU), SEQ_LEN (1024; tiny's CPU check uses less).
 # Two GPUs: CUDA_VISIBLE_DEVICES=0 scripts/study.sh run DATA OUT bf16 &
 #           CUDA_VISIBLE_DEVICES=1 scripts/study.sh run DATA OUT nvfp4 & wait
 set -euo pipefail
@@ -39,7 +45,29 @@ pack)
     out=$(abspath "$2"); dest=$(abspath "$3"); mkdir -p "$dest"
     tar -C "$out" --exclude=checkpoints -czf "$dest/study.tar.gz" .
     echo "$dest/study.tar.gz"; exit 0 ;;
-smoke | run | report | queue) [ $# -ge 3 ] || usage ;;
+status)
+    [ $# -eq 2 ] || usage
+    "$PYTHON" - "$(abspath "$2")" <<'PY'
+import json, sys, time
+from pathlib import Path
+runs = sorted(Path(sys.argv[1]).glob("runs/*/metrics.jsonl"))
+if not runs:
+    print(f"no runs under {sys.argv[1]}/runs yet")
+for path in runs:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    train = [r for r in rows if r["kind"] == "train"]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    summary = path.parent / "summary.json"
+    state = json.loads(summary.read_text())["status"] if summary.exists() else "running"
+    age = time.time() - path.stat().st_mtime
+    t = train[-1] if train else {}
+    print(f"{path.parent.name:30s} step {t.get('step', 0):6d}  tokens {t.get('tokens', 0) / 1e6:7.1f}M"
+          f"  loss {t.get('loss', float('nan')):.4f}"
+          f"  val {evals[-1]['val_loss'] if evals else float('nan'):.4f}"
+          f"  {t.get('tokens_per_s', 0):9,.0f} tok/s  {state} (metrics written {age:.0f}s ago)")
+PY
+    exit 0 ;;
+smoke | run | report | queue | start) [ $# -ge 3 ] || usage ;;
 *) usage ;;
 esac
 data=$(abspath "$2"); out=$(abspath "$3"); name=${4:-}
@@ -61,13 +89,26 @@ if [ "$mode" = smoke ]; then
     exit 0
 fi
 
-STUDY=(--steps "${STEPS:-4000}" --batch-size "${BATCH:-32}" --seq-len 1024 --lr "${LR:-1e-3}"
-       --warmup-steps 200 --log-every 10 --eval-every 250 --eval-tokens 1048576
-       --telemetry-every 200 --ckpt-every 500 --keep-checkpoints 1
+STUDY=(--steps "${STEPS:-6104}" --batch-size "${BATCH:-32}" --seq-len "${SEQ_LEN:-1024}"
+       --lr "${LR:-1e-3}" --warmup-steps 200 --log-every 10 --eval-every 500
+       --eval-tokens 1048576 --telemetry-every 500 --ckpt-every 1000 --keep-checkpoints 1
        --max-minutes "${MAX_MINUTES:-8.5}")
 [ "${COMPILE:-1}" = 1 ] && STUDY+=(--compile)
 
 case "$mode" in
+start)
+    shift 3
+    [ $# -ge 1 ] || usage
+    mkdir -p "$out"
+    read -r -a gpus <<< "${GPUS:-}"
+    i=0
+    for v in "$@"; do
+        env=()
+        [ ${#gpus[@]} -gt 0 ] && env=(CUDA_VISIBLE_DEVICES="${gpus[$((i % ${#gpus[@]}))]}")
+        env "${env[@]}" setsid nohup "$0" run "$data" "$out" "$v" > "$out/$v.log" 2>&1 < /dev/null &
+        echo "$v: started (pid $!${env:+, ${env[0]}}), log $out/$v.log"
+        i=$((i + 1))
+    done ;;
 queue)
     shift 3
     [ $# -ge 1 ] || usage
