@@ -1,6 +1,8 @@
 """Global amax, 16x16 nibble transpose and the 128x4 scale swizzle kernels, exact against
 their references in formats/."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -21,8 +23,27 @@ def exact(a, b):
     torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True)
 
 
+# The module (blockscale.kernels.amax is the function of that name).
+amax_module = importlib.import_module("blockscale.kernels.amax")
+
+
 def hadamard_t_amax(x: torch.Tensor) -> torch.Tensor:
     return hadamard.transform(x.reshape(-1, x.shape[-1]).t()).float().abs().amax()
+
+
+def with_outliers(rows, cols, seed, dtype=torch.bfloat16) -> torch.Tensor:
+    """randn with about 1 value in 50 scaled by 50-500, as activations with outliers."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g, device=DEV)
+    hit = torch.rand(rows, cols, generator=g, device=DEV) < 0.02
+    scale = 50 + 450 * torch.rand(rows, cols, generator=g, device=DEV)
+    return torch.where(hit, x * scale, x).to(dtype)
+
+
+def assert_fused_exact(x: torch.Tensor) -> None:
+    plain, had = kernels.amax_fused(x)
+    exact(plain, x.float().abs().amax())
+    exact(had, hadamard_t_amax(x))
 
 
 @pytest.mark.parametrize("shape", [(16, 16), (48, 96), (80, 48), (17, 33), (2, 16, 40)], ids=str)
@@ -51,6 +72,87 @@ def test_amax_non_finite_and_zero():
     x[5, 6] = float("nan")
     assert kernels.amax(x).isnan()
     assert kernels.amax_fused(x)[1].isnan()
+
+
+def test_fused_amax_of_single_blocks():
+    """Each 16-value block alone, so that a wrong sign anywhere in the butterfly shows (the
+    max over many blocks could hide it)."""
+    x = with_outliers(16 * 6, 4, seed=3)
+    x[:16, 0] = torch.arange(1, 17)  # every output of H applied to 1..16 is distinct
+    for b in range(6):
+        for j in range(4):
+            block = x[16 * b : 16 * (b + 1), j : j + 1]
+            exact(kernels.amax_hadamard_t(block), hadamard_t_amax(block))
+
+
+@pytest.mark.parametrize("tiles", [None, (16, 64, 4, 2), (32, 32, 2, 1), (16, 128, 4, 16)], ids=str)
+@pytest.mark.parametrize("shape", [(176, 1100), (32, 1024), (64, 96)], ids=str)
+def test_fused_amax_strips_and_column_tails(tiles, shape, monkeypatch):
+    """Several programs along both axes, the last strip re-reading its last group (176 rows
+    are 11 groups), K a multiple of the tile (no mask) or not."""
+    if tiles is not None:
+        monkeypatch.setitem(amax_module.TILES, "hadamard", tiles)
+    assert_fused_exact(with_outliers(*shape, seed=shape[1]))
+
+
+def test_fused_amax_all_zero():
+    plain, had = kernels.amax_fused(torch.zeros(48, 80, dtype=torch.bfloat16, device=DEV))
+    exact(plain, torch.tensor(0.0, device=DEV))
+    exact(had, torch.tensor(0.0, device=DEV))
+
+
+BIG = 2.0**123  # from here on a strip takes the exact butterfly
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "inf",
+        "-inf",
+        "two-infs-one-block",
+        "two-infs-last-stage",
+        "infs-two-blocks",
+        "nan",
+        "huge",
+        "at-threshold",
+        "below-threshold",
+    ],
+)
+def test_fused_amax_non_finite_and_huge(case):
+    """Inf alone in a block gives Inf, two in one block NaN (Inf - Inf in some output), NaN
+    gives NaN, as in the reference; values from 2^123 up take the exact path, just below the
+    fast one. The strip with the special value sits among ordinary ones. (The interpreter's
+    max propagates NaN either way; that the GPU keeps NaN is checked on the GPU.)"""
+    x = with_outliers(96, 600, seed=7)
+    r, c = 37, 530
+    if case in ("inf", "-inf"):
+        x[r, c] = float(case)
+    elif case == "two-infs-one-block":
+        x[r, c], x[r + 2, c] = float("inf"), float("inf")
+    elif case == "two-infs-last-stage":  # rows 8 apart meet only in the last butterfly stage
+        x[r, c], x[r + 8, c] = float("inf"), -float("inf")
+    elif case == "infs-two-blocks":
+        x[r, c], x[r + 16, c] = float("inf"), -float("inf")
+    elif case == "nan":
+        x[r, c] = float("nan")
+    elif case == "huge":
+        x[r, c], x[r + 1, c + 1] = 2.0**126, -3e38
+    elif case == "at-threshold":
+        x[32:48, c] = -BIG  # a whole block: partial sums up to 16 * 2^123
+    else:
+        x[32:48, c] = BIG - 2.0**115  # the BF16 value below 2^123, a whole block
+    assert_fused_exact(x)
+    exact(kernels.amax_hadamard_t(x), hadamard_t_amax(x))
+    if case.startswith("two-infs"):
+        assert kernels.amax_fused(x)[1].isnan()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_hadamard_amax_other_dtypes(dtype):
+    # FP32 with BF16-representable values, so that the reference's partial sums are exact
+    x = with_outliers(64, 200, seed=11).to(dtype)
+    exact(kernels.amax_hadamard_t(x), hadamard_t_amax(x))
+    exact(kernels.amax_fused(x)[0], x.float().abs().amax())
 
 
 def test_amax_rejects_hadamard_rows():
