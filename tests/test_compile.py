@@ -96,3 +96,49 @@ def test_gpu_compiled_stochastic_rounding_is_reproducible_under_a_seed():
         compiled(x).square().sum().backward()
         grads.append(model.up.weight.grad.clone())
     assert torch.equal(grads[0], grads[1]) and not torch.equal(grads[0], grads[2])
+
+
+def test_compile_first_kernel_path_caches_no_fake_hadamard(monkeypatch):
+    """Compiling before any eager call must not leave a fake tensor in a cache that a later
+    trace captures as a constant (seen on the GPU: "Unexpected fake buffer _tensor_constant0",
+    from the RHT matrix cached under Dynamo's FakeTensorMode by the op's fake impl).
+
+    Runs the Triton kernel path on the CPU. wrap_triton refuses interpreted kernels under
+    tracing, so it is stubbed: eager calls launch the kernel in the interpreter; under a trace
+    the launch is skipped (the kernel HOP's fake impl does nothing) except that AOT's trace
+    reads every traced argument, as the functional HOP does (real tensors are constants it
+    captures as they are). The compiled outputs are not checked: the launches are stubs."""
+    pytest.importorskip("triton")
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    from blockscale import _library
+    from blockscale.kernels import _common
+
+    class Launch:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+                if not any(isinstance(t, (FakeTensor, FunctionalTensor)) for t in tensors):
+                    return self.kernel[grid](*args, **kwargs)
+                if any(isinstance(t, FunctionalTensor) for t in tensors):
+                    for t in tensors:
+                        if isinstance(t, (FakeTensor, FunctionalTensor)):
+                            t.sum()
+
+            return launch
+
+    monkeypatch.setattr(torch.library, "wrap_triton", Launch)
+    monkeypatch.setattr(_library, "use_kernels", lambda t: True)
+    _common.hadamard_matrix.cache_clear()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = bsnn.convert(MLP(), recipes.get("nvfp4", stochastic_rounding=False))
+    compiled = torch.compile(model, fullgraph=True, options=EXACT_INDUCTOR_OPTIONS)
+    compiled(torch.randn(4, 32, 64, requires_grad=True)).square().sum().backward()
+    assert model.up.weight.grad is not None
+    assert type(_common.hadamard_matrix(torch.device("cpu"))) is torch.Tensor
+    torch._dynamo.reset()

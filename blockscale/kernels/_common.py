@@ -15,6 +15,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch.utils._python_dispatch import _disable_current_modes
 
 from blockscale.formats import hadamard as rht
 
@@ -44,8 +45,15 @@ def available(x: torch.Tensor) -> bool:
 @functools.cache
 def hadamard_matrix(device: torch.device) -> torch.Tensor:
     """The default RHT matrix as FP32 [16, 16] on `device` (cast to the input dtype in-kernel;
-    its +-1/4 entries are exact in every float dtype)."""
-    return rht.matrix(rht.DEFAULT_SIGNS, torch.float32, device).contiguous()
+    its +-1/4 entries are exact in every float dtype). Cached per device.
+
+    Always a real tensor, built outside any dispatch mode: under torch.compile the first call
+    can come from inside a trace (the op's fake impl under Dynamo's FakeTensorMode, or AOT's
+    functional trace), where it would otherwise build, and cache, a fake tensor that a later
+    trace then captures as a constant ("Unexpected fake buffer _tensor_constant0"). Built
+    here, the graph captures the real matrix, as after an eager call."""
+    with _disable_current_modes():
+        return rht.matrix(rht.DEFAULT_SIGNS, torch.float32, device).contiguous()
 
 
 def dot_in_fp32(x: torch.Tensor) -> bool:
