@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from blockscale.cli import main
 
@@ -89,6 +90,10 @@ def test_compare_writes_the_report_with_its_plots(compared, capsys):
     table = {row["run"]: row for row in json.loads((out / "report.json").read_text())["table"]}
     assert table["bf16"]["gap_pct"] == 0.0
     assert f"Noise floor: `bf16-seed1` ends {table['bf16-seed1']['gap_pct']:+.2f}%" in report
+    # The banner names the torch the runs recorded, not the one writing the report.
+    assert f"torch {torch.__version__}. " in report
+    summary = json.loads((out / "runs" / "bf16" / "summary.json").read_text())
+    assert summary["torch"] == torch.__version__
     assert all(row["status"] == "done" and row["val_loss"] > 0 for row in table.values())
     # The ablation differs from the full recipe in its one switch only.
     config = json.loads((out / "runs" / "nvfp4-no-hadamard" / "config.json").read_text())

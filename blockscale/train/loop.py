@@ -272,6 +272,7 @@ def summarize(run_dir: Path, cfg: TrainConfig, recipe, status: str, n_params: in
         "model": cfg.model,
         "params": n_params,
         "device": str(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
+        "torch": torch.__version__,
         "steps": train_rows[-1]["step"] if train_rows else 0,
         "tokens": train_rows[-1]["tokens"] if train_rows else 0,
         "final_loss": train_rows[-1]["loss"] if train_rows else None,

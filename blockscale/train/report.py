@@ -299,13 +299,18 @@ def write_report(out: Path, names: list[str]) -> Path:
     tokens_per_step = (
         cfg["batch_size"] * cfg["grad_accum"] * (cfg["seq_len"] or _model_seq_len(cfg["model"]))
     )
-    device = runs[0]["summary"].get("device", "?")
+    devices = sorted({r["summary"].get("device", "?") for r in runs})
+    # The runs' own torch (a report may be written on another machine than the one that trained).
+    versions = sorted({r["summary"]["torch"] for r in runs if "torch" in r["summary"]})
     lines = [
         f"# blockscale compare: `{cfg['model']}` on `{cfg['data']}`",
         "",
-        f"{datetime.date.today().isoformat()}, {device}, torch {torch.__version__}. "
-        f"{cfg['steps']} steps of {tokens_per_step:,} tokens (bytes), seed {cfg['seed']}, "
-        f"same batches for every run. Gap to BF16: (loss - loss_bf16) / loss_bf16 of the final held-out loss.",
+        f"{datetime.date.today().isoformat()}, {', '.join(devices)}, "
+        + (f"torch {', '.join(versions)}. " if versions else "torch version not recorded. ")
+        + f"{cfg['steps']} steps of {tokens_per_step:,} tokens (bytes), seed {cfg['seed']}: the "
+        "same batches for every run of that seed. Gap to BF16: (loss - loss_bf16) / loss_bf16 "
+        "of the final held-out loss. Tokens/s: each run's median training throughput, which "
+        "compares recipes only when the runs had the device to themselves.",
         "",
         _markdown_table(HEADER, [_cells(r) for r in rows]),
         "",
