@@ -14,10 +14,8 @@ Bytes (the roofline argument, BF16 input [M, K], N = M*K):
   each `_dq` output adds 2N written. The global amax is a separate pass (read 2N) unless
   the caller passes `amax`; see amax.py for the fused rowwise + Hadamard-columnwise amax.
 
-Stochastic rounding draws 8 random bits per value from Philox4x32-7 (seeded from PyTorch's
-generator through a device tensor), one call per 16 values of a copy, computed in x's load
-layout where no two threads repeat a call; the columnwise copy's bytes follow its values
-through the transpose (see _philox_bytes and the COL branch of the kernel).
+Stochastic rounding draws 8 random bits per value: one Philox call (tl.randint4x, 128 bits)
+per 16-value block, seeded from PyTorch's generator through a device tensor.
 """
 
 import torch
@@ -52,43 +50,25 @@ BLOCK = 16
 
 
 @triton.jit
-def _philox_bytes(seed, r0, c0, stream, R: tl.constexpr, C: tl.constexpr):
-    """Random bytes (int32 0..255) for the [R, C] tile of x loaded at (r0, c0), in its load
-    layout.
-
-    One Philox4x32-7 call (128 bits) covers the 8-value row chunks at rows i and i + R/2 of
-    the tile: in the load layouts of every TILES entry one thread holds both chunks, so no two
-    threads compute the same call (a counter per 16-value block was computed by each of the
-    2-4 threads holding part of the block). `stream` (0 rowwise, 1 columnwise) is the second
-    counter word, so the two copies of one launch draw disjoint Philox outputs."""
-    H: tl.constexpr = R // 2
-    zero = tl.zeros([H, C // 8], tl.int32)
-    # counter (chunk column, stream, row, 0): a word each, so no tensor size overflows it
-    chunks = zero + (c0 // 8 + tl.arange(0, C // 8))[None, :]
-    rows = zero + (r0 + tl.arange(0, H))[:, None]
-    w0, w1, w2, w3 = tl.philox(seed, chunks, zero + stream, rows, zero, n_rounds=7)
-    # [2, H, C/8, 8]: chunk half h (row i or i + H) takes words 2h, 2h + 1; byte j of the
-    # chunk is byte j % 4 of word j // 4
-    h = tl.arange(0, 2)[:, None, None, None]
-    j = tl.arange(0, 8)[None, None, None, :]
-    first = tl.where(j < 4, w0[None, :, :, None], w1[None, :, :, None])
-    second = tl.where(j < 4, w2[None, :, :, None], w3[None, :, :, None])
-    w = tl.where(h == 0, first, second)
+def _philox_uniforms(seed, block_offsets, R: tl.constexpr, NB: tl.constexpr):
+    """FP32 uniforms k/256 for an [R, NB, 16] tile: one Philox4x32 draw per 16-value block,
+    8 bits per value."""
+    r0, r1, r2, r3 = tl.randint4x(seed, block_offsets, n_rounds=7)
+    j = tl.arange(0, 16)[None, None, :]
+    w = tl.where(
+        j < 8,
+        tl.where(j < 4, r0[:, :, None], r1[:, :, None]),
+        tl.where(j < 12, r2[:, :, None], r3[:, :, None]),
+    )
     byte = (w >> ((j % 4) * 8).to(tl.uint32)) & 0xFF
-    return tl.reshape(byte.to(tl.int32, bitcast=True), [R, C])
-
-
-@triton.jit
-def _byte_uniforms(byte):
-    """Bytes k (int32) -> FP32 k/256."""
     return byte.to(tl.float32) * 0.00390625
 
 
 @triton.jit
-def _e2m1(w, u, SR: tl.constexpr, U8: tl.constexpr, DQ: tl.constexpr):
+def _e2m1(w, u, SR: tl.constexpr, DQ: tl.constexpr):
     """Scaled FP32 values -> (int32 magnitude index 0..7, FP32 magnitude on the grid when DQ),
-    nearest-even or stochastic (u: uniforms in [0, 1); U8: every u is a multiple of 1/256).
-    NaN gives garbage here; the caller zeroes NaN blocks.
+    nearest-even or stochastic (u: uniforms in [0, 1)). NaN gives garbage here; the caller
+    zeroes NaN blocks.
 
     The grid has step 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6]: with j = 0, 1, 2 the binade,
     y = a * 2^(1-j) puts the step at 1 (exact), so rounding y to an integer is rounding a to
@@ -98,13 +78,7 @@ def _e2m1(w, u, SR: tl.constexpr, U8: tl.constexpr, DQ: tl.constexpr):
     j = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, 0)
     s = ((128 - j) << 23).to(tl.float32, bitcast=True)
     y = a * s
-    if SR and U8:
-        # ceil(y - u) = floor(y) + (u < frac(y)), the rule below in two operations: y - u is
-        # exact when y >= 1 (both are multiples of ulp(y) >= 2^-23 and |y - u| <= y), and for
-        # y < 1 rounding keeps its sign and it stays above -1, so the ceiling is unchanged.
-        # (A 24-bit u would make y - u inexact: given uniforms take the general rule.)
-        t = tl.math.ceil(y - u) + 12582912.0
-    elif SR:
+    if SR:
         # round up with probability frac(y) = (a - lo) / step, exactly as e2m1.round_stochastic
         f = tl.floor(y)
         t = f + tl.where(u < y - f, 12582913.0, 12582912.0)
@@ -121,7 +95,7 @@ def _e2m1(w, u, SR: tl.constexpr, U8: tl.constexpr, DQ: tl.constexpr):
 @triton.jit
 def _quantize_tile(
     v, s_dec, mult, u, R: tl.constexpr, C: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr,
-    U8: tl.constexpr, DQ: tl.constexpr,
+    DQ: tl.constexpr,
 ):  # fmt: skip
     """An FP32 [R, C] tile, blocks of 16 along C -> (packed uint8 [R, C/2], E4M3 scale codes
     uint8 [R, C/16], FP32 dq [R, C] = code value * scale, whether every value was finite)."""
@@ -136,7 +110,7 @@ def _quantize_tile(
     sval = e4m3_value(scode)
     enc = min_keep_nan(tl.math.div_rn(tl.full([R, NB], 1.0, tl.float32), sval * s_dec), FLT_MAX)
     w = vb * enc[:, :, None]
-    idx, mag = _e2m1(w, u, SR, U8, DQ)
+    idx, mag = _e2m1(w, u, SR, DQ)
     # A NaN block (NaN input or NaN amax) has NaN scaled values: codes 0, as the reference.
     neg = w < 0.0
     code = tl.where(sval[:, :, None] == sval[:, :, None], idx | (neg.to(tl.int32) << 3), 0)
@@ -178,14 +152,26 @@ def _store_quantized(
 
 
 @triton.jit
-def _given_uniforms(rand_ptr, r0, c0, n_rows, n_cols, R: tl.constexpr, C: tl.constexpr):
-    """Uniforms passed as an FP32 tensor shaped like the quantized copy (tests), for its
-    [R, C] output tile at (r0, c0), as [R, C/16, 16]."""
-    rows = r0 + tl.arange(0, R)
-    cols = c0 + tl.arange(0, C)
-    m = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    u = tl.load(rand_ptr + rows[:, None] * n_cols + cols[None, :], mask=m, other=0.0)
-    return tl.reshape(u, [R, C // 16, 16])
+def _uniforms(
+    seed_ptr, rand_ptr, r0, c0, n_rows, n_cols, base,
+    R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr, RAND_GIVEN: tl.constexpr,
+):  # fmt: skip
+    """Uniforms for an [R, C] output tile: given as a tensor (tests), or from Philox with one
+    counter per 16-value block (`base` keeps the rowwise and columnwise copies apart)."""
+    if SR:
+        if RAND_GIVEN:
+            rows = r0 + tl.arange(0, R)
+            cols = c0 + tl.arange(0, C)
+            m = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+            u = tl.load(rand_ptr + rows[:, None] * n_cols + cols[None, :], mask=m, other=0.0)
+            return tl.reshape(u, [R, C // 16, 16])
+        else:
+            rows = r0 + tl.arange(0, R)
+            blocks = c0 // 16 + tl.arange(0, C // 16)
+            offs = base + rows[:, None] * (n_cols // 16) + blocks[None, :]
+            return _philox_uniforms(tl.load(seed_ptr), offs, R, C // 16)
+    else:
+        return 0.0
 
 
 @triton.jit
@@ -208,15 +194,9 @@ def _nvfp4_quantize_kernel(
     )
     if ROW:
         s_dec, mult = nvfp4_global(tl.load(amax_row_ptr))
-        u = 0.0
-        if ROW_SR:
-            if RAND_GIVEN:
-                u = _given_uniforms(rand_row_ptr, m0, k0, M, K, BM, BK)
-            else:
-                u = _byte_uniforms(_philox_bytes(tl.load(seed_ptr), m0, k0, 0, BM, BK))
-                u = tl.reshape(u, [BM, BK // 16, 16])
+        u = _uniforms(seed_ptr, rand_row_ptr, m0, k0, M, K, 0, BM, BK, ROW_SR, RAND_GIVEN)
         packed, scode, dq, _ = _quantize_tile(
-            x.to(tl.float32), s_dec, mult, u, BM, BK, ROW_2D, ROW_SR, not RAND_GIVEN, DQ_ROW
+            x.to(tl.float32), s_dec, mult, u, BM, BK, ROW_2D, ROW_SR, DQ_ROW
         )
         _store_quantized(
             packed, scode, dq, data_ptr, scale_ptr, dq_ptr, m0, k0, M, K, BM, BK, DQ_ROW
@@ -224,33 +204,15 @@ def _nvfp4_quantize_kernel(
     if COL:
         xt = tl.trans(x)
         s_dec_t, mult_t = nvfp4_global(tl.load(amax_col_ptr))
-        # u_t goes with vt (the dot's layout), u_tt with the plain transpose (fallback below)
-        u_t = 0.0
-        u_tt = 0.0
-        if COL_SR:
-            if RAND_GIVEN:
-                u_t = _given_uniforms(rand_col_ptr, k0, m0, K, M, BK, BM)
-                u_tt = u_t
-            else:
-                # Drawn in x's load layout (no thread repeats a Philox call there), then moved
-                # with the values by the same transpose and identity product: the FP16 bits
-                # 0x6400 | k are 1024 + k, exact in FP16 and through the product, and
-                # (1024 + k) / 256 - 4 = k/256 exactly. The value at (k, m) of a Hadamard
-                # copy takes the byte drawn at x's (m, k): still one independent byte a value.
-                # The where ties the bytes to x's layout (without it Triton computes them in a
-                # layout where threads repeat the Philox calls); it changes only bytes of NaN
-                # values, whose blocks quantize to 0 whatever the byte.
-                ut = _philox_bytes(tl.load(seed_ptr), m0, k0, 1, BM, BK)
-                ut = tl.trans(tl.where(x != x, 0, ut) | 0x6400)
-                u_t = relayout_16(ut.to(tl.int16).to(tl.float16, bitcast=True), BK, BM, DOT_F32)
-                u_t = tl.reshape(u_t * 0.00390625 - 4.0, [BK, BM // 16, 16])
-                u_tt = tl.reshape(_byte_uniforms(ut & 0xFF), [BK, BM // 16, 16])
+        # Philox counters past the rowwise ones, so the two copies draw independent bits
+        base = ((M + 15) // 16) * 16 * (K // 16)
+        u_t = _uniforms(seed_ptr, rand_col_ptr, k0, m0, K, M, base, BK, BM, COL_SR, RAND_GIVEN)
         if COL_HAD:
             vt = hadamard_16(xt, h_ptr, BK, BM, DOT_F32)
         else:
             vt = relayout_16(xt, BK, BM, DOT_F32)
         packed_t, scode_t, dq_t, finite = _quantize_tile(
-            vt, s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR, not RAND_GIVEN, DQ_COL
+            vt, s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR, DQ_COL
         )
         if COL_HAD or finite:
             _store_quantized(
@@ -260,9 +222,8 @@ def _nvfp4_quantize_kernel(
         else:
             # Inf * 0 in the identity product made NaN: redo this tile from the plain transpose.
             packed_t, scode_t, dq_t, _ = _quantize_tile(
-                xt.to(tl.float32), s_dec_t, mult_t, u_tt, BK, BM, COL_2D, COL_SR,
-                not RAND_GIVEN, DQ_COL,
-            )  # fmt: skip
+                xt.to(tl.float32), s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR, DQ_COL
+            )
             _store_quantized(
                 packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
                 k0, m0, K, M, BK, BM, DQ_COL,
