@@ -124,8 +124,8 @@ run)
     only=(); [ -n "$name" ] && only=(--only "$name")
     status=0
     blockscale "${COMPARE[@]}" "${STUDY[@]}" --out "$out" --quiet "${only[@]}" || status=$?
-    # Exit status 3: stopped cleanly after MAX_MINUTES with a checkpoint.
-    [ "$status" = 3 ] && echo "paused after ${MAX_MINUTES:-8.5} min: run the same command again to continue"
+    # Exit status 3: stopped cleanly (MAX_MINUTES or SIGINT/SIGTERM) with a checkpoint.
+    [ "$status" = 3 ] && echo "stopped with a checkpoint (MAX_MINUTES=${MAX_MINUTES:-8.5} reached, or a signal): run the same command again to continue"
     exit "$status" ;;
 report) blockscale "${COMPARE[@]}" "${STUDY[@]}" --out "$out" --report-only --quiet ;;
 esac

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU checks to run before an issue that touches kernels, the linear path or training is
+# resolved, one part per call (a call on a lent GPU runs at most 10 minutes). From the
+# repository root on the GPU machine (python3 with torch and triton; no install of blockscale):
+#
+#   scripts/gpu_check.sh tests OUT     every gpu-marked test (pytest -m gpu); log in OUT  (~3 min)
+#   scripts/gpu_check.sh kernels OUT   check_amax_gpu + bench_quantize; JSON in OUT       (~3 min)
+#   scripts/gpu_check.sh linear OUT    bench_linear + the step breakdown of each recipe    (~4 min)
+#   scripts/gpu_check.sh train OUT     bench_train --compile on small, batch 32: the study's
+#                                      speed and memory per recipe, each alone on the GPU  (~6 min)
+#
+# Each part writes OUT/PART.log (and its JSON) and ends with the part's own table; the exit
+# status is the first failing command's. The minutes are estimates: time them the first time.
+set -uo pipefail
+
+PYTHON=${PYTHON:-python3}
+part=${1:-}
+out=${2:-}
+[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+cd "$(dirname "$0")/.." || exit 2
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+log="$out/$part.log"
+status=0
+step() {
+    "$@" 2>&1 | tee -a "$log"
+    local rc=$?
+    [ "$status" = 0 ] && status=$rc
+    return 0
+}
+
+case "$part" in
+tests) step "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests ;;
+kernels)
+    step "$PYTHON" benchmarks/check_amax_gpu.py
+    step "$PYTHON" benchmarks/bench_quantize.py --json "$out/bench_quantize.json" ;;
+linear)
+    step "$PYTHON" benchmarks/bench_linear.py --json "$out/bench_linear.json"
+    for r in nvfp4 mxfp8 nvfp4_fwd_mxfp8_bwd; do
+        step "$PYTHON" benchmarks/breakdown_linear.py --recipe "$r" --json "$out/breakdown_$r.json"
+    done ;;
+train)
+    step "$PYTHON" benchmarks/bench_train.py --model small --batch-size 32 --compile \
+        --json "$out/bench_train.json" ;;
+*) echo "unknown part '$part': tests, kernels, linear or train" >&2; exit 2 ;;
+esac
+echo "gpu_check $part: exit status $status (log $log)"
+exit "$status"
