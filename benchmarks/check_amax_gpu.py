@@ -45,7 +45,7 @@ TAIL_SHAPE = (8192, 11328)  # 11328 = 22 * 512 + 64
 # (BM, BK, num_warps, tiles per program): a program covers BM * tiles rows by BK columns
 CONFIGS = [
     amax_module.TILES["hadamard"],
-    (16, 512, 4, 4),
+    (16, 512, 4, 8),
     (16, 512, 4, 16),
     (16, 256, 4, 8),
     (16, 1024, 8, 8),

@@ -47,21 +47,22 @@ pack)
     echo "$dest/study.tar.gz"; exit 0 ;;
 status)
     [ $# -eq 2 ] || usage
-    "$PYTHON" - "$(abspath "$2")" <<'PY'
+    (cd "$REPO" && "$PYTHON" - "$(abspath "$2")") <<'PY'
 import json, sys, time
 from pathlib import Path
-runs = sorted(Path(sys.argv[1]).glob("runs/*/metrics.jsonl"))
+from blockscale.train.loop import read_metrics
+runs = sorted(p.parent for p in Path(sys.argv[1]).glob("runs/*/metrics.jsonl"))
 if not runs:
     print(f"no runs under {sys.argv[1]}/runs yet")
-for path in runs:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+for run in runs:
+    rows = read_metrics(run)
     train = [r for r in rows if r["kind"] == "train"]
     evals = [r for r in rows if r["kind"] == "eval"]
-    summary = path.parent / "summary.json"
+    summary = run / "summary.json"
     state = json.loads(summary.read_text())["status"] if summary.exists() else "running"
-    age = time.time() - path.stat().st_mtime
+    age = time.time() - (run / "metrics.jsonl").stat().st_mtime
     t = train[-1] if train else {}
-    print(f"{path.parent.name:30s} step {t.get('step', 0):6d}  tokens {t.get('tokens', 0) / 1e6:7.1f}M"
+    print(f"{run.name:30s} step {t.get('step', 0):6d}  tokens {t.get('tokens', 0) / 1e6:7.1f}M"
           f"  loss {t.get('loss', float('nan')):.4f}"
           f"  val {evals[-1]['val_loss'] if evals else float('nan'):.4f}"
           f"  {t.get('tokens_per_s', 0):9,.0f} tok/s  {state} (metrics written {age:.0f}s ago)")

@@ -14,9 +14,14 @@ DEV = "cuda" if ON_GPU else "cpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (large shapes)")
 
 
-def randn(*shape, seed=0, dtype=torch.bfloat16) -> torch.Tensor:
+def randn(*shape, seed=0, dtype=torch.bfloat16, outliers=0.0) -> torch.Tensor:
+    """randn; with `outliers`, about that fraction of values scaled by 50-500 (activations)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
-    return torch.randn(*shape, generator=g, device=DEV).to(dtype)
+    x = torch.randn(*shape, generator=g, device=DEV)
+    if outliers:
+        hit = torch.rand(*shape, generator=g, device=DEV) < outliers
+        x = torch.where(hit, x * (50 + 450 * torch.rand(*shape, generator=g, device=DEV)), x)
+    return x.to(dtype)
 
 
 def exact(a, b):
@@ -29,15 +34,6 @@ amax_module = importlib.import_module("blockscale.kernels.amax")
 
 def hadamard_t_amax(x: torch.Tensor) -> torch.Tensor:
     return hadamard.transform(x.reshape(-1, x.shape[-1]).t()).float().abs().amax()
-
-
-def with_outliers(rows, cols, seed, dtype=torch.bfloat16) -> torch.Tensor:
-    """randn with about 1 value in 50 scaled by 50-500, as activations with outliers."""
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    x = torch.randn(rows, cols, generator=g, device=DEV)
-    hit = torch.rand(rows, cols, generator=g, device=DEV) < 0.02
-    scale = 50 + 450 * torch.rand(rows, cols, generator=g, device=DEV)
-    return torch.where(hit, x * scale, x).to(dtype)
 
 
 def assert_fused_exact(x: torch.Tensor) -> None:
@@ -77,7 +73,7 @@ def test_amax_non_finite_and_zero():
 def test_fused_amax_of_single_blocks():
     """Each 16-value block alone, so that a wrong sign anywhere in the butterfly shows (the
     max over many blocks could hide it)."""
-    x = with_outliers(16 * 6, 4, seed=3)
+    x = randn(16 * 6, 4, seed=3, outliers=0.02)
     x[:16, 0] = torch.arange(1, 17)  # every output of H applied to 1..16 is distinct
     for b in range(6):
         for j in range(4):
@@ -92,7 +88,7 @@ def test_fused_amax_strips_and_column_tails(tiles, shape, monkeypatch):
     are 11 groups), K a multiple of the tile (no mask) or not."""
     if tiles is not None:
         monkeypatch.setitem(amax_module.TILES, "hadamard", tiles)
-    assert_fused_exact(with_outliers(*shape, seed=shape[1]))
+    assert_fused_exact(randn(*shape, seed=shape[1], outliers=0.02))
 
 
 def test_fused_amax_all_zero():
@@ -123,7 +119,7 @@ def test_fused_amax_non_finite_and_huge(case):
     gives NaN, as in the reference; values from 2^123 up take the exact path, just below the
     fast one. The strip with the special value sits among ordinary ones. (The interpreter's
     max propagates NaN either way; that the GPU keeps NaN is checked on the GPU.)"""
-    x = with_outliers(96, 600, seed=7)
+    x = randn(96, 600, seed=7, outliers=0.02)
     r, c = 37, 530
     if case in ("inf", "-inf"):
         x[r, c] = float(case)
@@ -150,7 +146,7 @@ def test_fused_amax_non_finite_and_huge(case):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_hadamard_amax_other_dtypes(dtype):
     # FP32 with BF16-representable values, so that the reference's partial sums are exact
-    x = with_outliers(64, 200, seed=11).to(dtype)
+    x = randn(64, 200, seed=11, outliers=0.02).to(dtype)
     exact(kernels.amax_hadamard_t(x), hadamard_t_amax(x))
     exact(kernels.amax_fused(x)[0], x.float().abs().amax())
 
