@@ -13,6 +13,11 @@ of blocks and the LM head stay BF16). For each recipe, in the same run:
 
     python benchmarks/bench_train.py --model small --batch-size 64 --json out/bench_train.json
     python benchmarks/bench_train.py --quick            # CPU smoke test (tiny model)
+    python benchmarks/bench_train.py --recipes nvfp4,nvfp4-no-hadamard  # the study's ablations
+
+A name in `--recipes` is a recipe or one of the study's ablations (`nvfp4-no-hadamard`,
+`nvfp4-no-stochastic-rounding`, `nvfp4-no-weight-2d`, `nvfp4-no-bf16-tail`), built with the same
+switches `blockscale compare --ablate` uses.
 
 This is the planning figure for the convergence study (docs/TRAINING.md): a study run of T tokens
 takes about T / tokens_per_s plus evaluation, telemetry and checkpoints.
@@ -35,9 +40,18 @@ import harness  # noqa: E402
 
 from blockscale.ops import EXACT_INDUCTOR_OPTIONS  # noqa: E402
 from blockscale.train import build  # noqa: E402
+from blockscale.train.compare import ABLATIONS  # noqa: E402
 from blockscale.train.config import TrainConfig  # noqa: E402
 
 RECIPES = ["bf16", "nvfp4", "mxfp8", "nvfp4_fwd_mxfp8_bwd"]
+ABLATED = {"nvfp4-no-" + name.replace("_", "-"): switches for name, switches in ABLATIONS.items()}
+
+
+def variant_config(name: str) -> dict:
+    """TrainConfig fields of a recipe name or of an ablation's name (`nvfp4-no-hadamard`)."""
+    if name in ABLATED:
+        return {"recipe": "nvfp4", **ABLATED[name]}
+    return {"recipe": name}
 
 
 def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
@@ -54,7 +68,7 @@ def run_recipe(
 ) -> dict:
     cfg = TrainConfig(
         model=args.model,
-        recipe=recipe,
+        **variant_config(recipe),
         batch_size=args.batch_size,
         seq_len=args.seq_len,
         device=str(device),

@@ -8,6 +8,8 @@
 #   scripts/gpu_check.sh linear OUT    bench_linear + the step breakdown of each recipe    (~4 min)
 #   scripts/gpu_check.sh train OUT     bench_train --compile on small, batch 32: the study's
 #                                      speed and memory per recipe, each alone on the GPU  (~6 min)
+#                                      RECIPES=nvfp4-no-hadamard,... times the study's ablations
+#                                      instead (bf16 always runs first: the ratios are to it)
 #
 # Each part writes OUT/PART.log (and its JSON) and ends with the part's own table; the exit
 # status is the first failing command's. The minutes are estimates: time them the first time.
@@ -16,7 +18,7 @@ set -uo pipefail
 PYTHON=${PYTHON:-python3}
 part=${1:-}
 out=${2:-}
-[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -41,7 +43,7 @@ linear)
     done ;;
 train)
     step "$PYTHON" benchmarks/bench_train.py --model small --batch-size 32 --compile \
-        --json "$out/bench_train.json" ;;
+        --recipes "${RECIPES:-bf16,nvfp4,mxfp8,nvfp4_fwd_mxfp8_bwd}" --json "$out/bench_train.json" ;;
 *) echo "unknown part '$part': tests, kernels, linear or train" >&2; exit 2 ;;
 esac
 echo "gpu_check $part: exit status $status (log $log)"

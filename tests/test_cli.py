@@ -1,6 +1,8 @@
 """The command line: compare end to end with its report, eval, `python -m blockscale`, and
 the one-line errors for bad input."""
 
+import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from blockscale.cli import main
+from blockscale.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -186,3 +189,19 @@ def test_a_paused_run_exits_3_and_resumes_to_0(tmp_path):
     args += ["--seq-len", "32", "--batch-size", "2", "--max-data-bytes", "100000"]
     assert main([*args, "--max-minutes", "1e-9"]) == 3
     assert main([*args, "--resume", "--max-minutes", "0"]) == 0
+
+
+def test_bench_train_builds_each_ablation_as_compare_does():
+    """bench_train's ablation names give the configs `compare --ablate` runs, so the study's
+    standalone speeds are of the same variants as its losses."""
+    path = ROOT / "benchmarks" / "bench_train.py"
+    spec = importlib.util.spec_from_file_location("bench_train", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from blockscale.train.compare import ABLATIONS, variants
+
+    base = TrainConfig(model="tiny")
+    runs = variants(base, ["bf16", "nvfp4"], list(ABLATIONS), noise_floor=False)
+    assert len(runs) == 2 + len(ABLATIONS)
+    for name, cfg in runs.items():
+        assert dataclasses.replace(base, **bench.variant_config(name)) == cfg, name
