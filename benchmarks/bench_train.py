@@ -138,6 +138,13 @@ def main() -> None:
     rows = []
     for name in names:
         rows.append(run_recipe(name, args, device, warmup, reps))
+        row = rows[-1]  # one line as each finishes: a run cut short still leaves its figures
+        peak = f"{row['peak_gib']:.2f} GiB peak" if row["peak_gib"] is not None else "-"
+        print(
+            f"{name}: first step {row['first_step_s']:.1f} s, {row['step_ms']:.2f} ms/step, "
+            f"{row['tokens_per_s']:,.0f} tokens/s, {peak}",
+            flush=True,
+        )
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the finished recipe's model and optimizer are gone
 

@@ -7,7 +7,8 @@
 #   scripts/gpu_check.sh kernels OUT   check_amax_gpu + bench_quantize; JSON in OUT       (~3 min)
 #   scripts/gpu_check.sh linear OUT    bench_linear + the step breakdown of each recipe    (~4 min)
 #   scripts/gpu_check.sh train OUT     bench_train --compile on small, batch 32: the study's
-#                                      speed and memory per recipe, each alone on the GPU  (~6 min)
+#                                      speed and memory per recipe, each alone on the GPU (~2 min a
+#                                      quantized recipe: compiling it; give it two at a time)
 #                                      RECIPES=nvfp4-no-hadamard,... times the study's ablations
 #                                      instead (bf16 always runs first: the ratios are to it)
 #
@@ -18,7 +19,7 @@ set -uo pipefail
 PYTHON=${PYTHON:-python3}
 part=${1:-}
 out=${2:-}
-[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
