@@ -98,6 +98,9 @@ def test_compare_writes_the_report_with_its_plots(compared, capsys):
     summary = json.loads((out / "runs" / "bf16" / "summary.json").read_text())
     assert summary["torch"] == torch.__version__
     assert all(row["status"] == "done" and row["val_loss"] > 0 for row in table.values())
+    # One run after another on one device: none shared it, so every speed compares with BF16's.
+    assert all(row["shared_pct"] == 0 and row["speed_vs_bf16"] > 0 for row in table.values())
+    assert "shared" not in report.split("## Loss curves")[0].split("|", 1)[1]
     # The ablation differs from the full recipe in its one switch only.
     config = json.loads((out / "runs" / "nvfp4-no-hadamard" / "config.json").read_text())
     assert config["recipe"] == "nvfp4" and config["hadamard"] is False
@@ -205,3 +208,35 @@ def test_bench_train_builds_each_ablation_as_compare_does():
     assert len(runs) == 2 + len(ABLATIONS)
     for name, cfg in runs.items():
         assert dataclasses.replace(base, **bench.variant_config(name)) == cfg, name
+
+
+def _timed_run(name: str, device: str, start: float, rows: int = 21, speed: float = 100.0):
+    """A run as the report loads it, training one row a second from `start`."""
+    metrics = [
+        {"kind": "train", "step": 10 * (i + 1), "loss": 1.0, "time": start + i} for i in range(rows)
+    ]
+    summary = {"device_id": device, "tokens_per_s": speed, "val_loss": 1.0}
+    return {"name": name, "config": {}, "summary": summary, "rows": metrics}
+
+
+def test_report_marks_runs_that_shared_a_device_and_compares_no_speed_with_them():
+    from blockscale.train.report import shared_pct, table
+
+    bf16 = _timed_run("bf16", "host/gpu0", 0.0)
+    half = _timed_run("nvfp4", "host/gpu0", 1010.0)  # trains 1010-1030
+    other = _timed_run("mxfp8", "host/gpu0", 1020.0)  # 1020-1040: overlaps nvfp4's second half
+    elsewhere = _timed_run("nvfp4_fwd_mxfp8_bwd", "host/gpu1", 1010.0)  # same time, other GPU
+    untimed = _timed_run("bf16-seed1", "host/gpu0", 0.0)
+    for row in untimed["rows"]:
+        del row["time"]
+    runs = [bf16, half, other, elsewhere, untimed]
+    assert shared_pct(half, runs) == 50.0 and shared_pct(other, runs) == 50.0
+    assert shared_pct(bf16, runs) == 0.0 and shared_pct(elsewhere, runs) == 0.0
+    assert shared_pct(untimed, runs) is None
+    rows = {r["run"]: r for r in table(runs)}
+    assert rows["nvfp4"]["speed_vs_bf16"] is None and rows["mxfp8"]["speed_vs_bf16"] is None
+    assert rows["nvfp4_fwd_mxfp8_bwd"]["speed_vs_bf16"] == 1.0
+    # A pause and its resume (a gap far longer than a step) is not training time.
+    resumed = _timed_run("nvfp4", "host/gpu0", 900.0, rows=5)
+    resumed["rows"] += _timed_run("x", "", 2000.0, rows=5)["rows"]
+    assert shared_pct(resumed, [resumed, other]) == 0.0

@@ -4,7 +4,9 @@ A run directory holds `config.json`, `metrics.jsonl` (one JSON object a line), `
 and, once the loop stops, `summary.json`. Metric rows carry a `kind`:
 
 - `train`: `loss` (mean over the steps since the previous row), `lr`, `grad_norm`, `tokens`,
-  `tokens_per_s` (training time only: evaluation, telemetry and checkpoints excluded);
+  `tokens_per_s` (training time only: evaluation, telemetry and checkpoints excluded), `time`
+  (wall clock when the row was written, Unix seconds: the report uses it to tell which runs
+  trained on the same device at the same time, whose speeds do not compare);
 - `eval`: `val_loss`, `val_bpb` on the held-out split;
 - `telemetry`: per converted layer and operand, `sqnr_db`, `zero_frac`, `amax` (telemetry.py).
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import signal
+import socket
 import statistics
 import threading
 import time
@@ -196,6 +199,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                         "grad_norm": grad_norm.item(),
                         "tokens": done * tokens_per_step,
                         "tokens_per_s": timed_steps * tokens_per_step / seconds,
+                        "time": round(time.time(), 3),
                     }
                     metrics.write(row)
                     if bar is not None:
@@ -258,6 +262,13 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     return summary
 
 
+def device_id(device: torch.device) -> str:
+    """This host and this device (a GPU's UUID): runs with the same id and overlapping times
+    shared the device."""
+    which = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else "cpu"
+    return f"{socket.gethostname()}/{which}"
+
+
 def summarize(run_dir: Path, cfg: TrainConfig, recipe, status: str, n_params: int, device) -> dict:
     rows = read_metrics(run_dir)
     train_rows = [r for r in rows if r["kind"] == "train"]
@@ -272,6 +283,7 @@ def summarize(run_dir: Path, cfg: TrainConfig, recipe, status: str, n_params: in
         "model": cfg.model,
         "params": n_params,
         "device": str(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
+        "device_id": device_id(device),
         "torch": torch.__version__,
         "steps": train_rows[-1]["step"] if train_rows else 0,
         "tokens": train_rows[-1]["tokens"] if train_rows else 0,

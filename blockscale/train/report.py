@@ -72,12 +72,69 @@ def _series(run: dict, kind: str, key: str) -> tuple[list[int], list[float]]:
     return [r["step"] for r in rows], [r[key] for r in rows]
 
 
+# A run that trained this share of its time beside another run on its device: its speed is
+# not compared with BF16's. Below it, a few seconds where one run starts as another ends.
+SHARED_PCT = 5.0
+
+
+def _training_intervals(run: dict) -> list[tuple[float, float]]:
+    """Wall-clock spans between consecutive training rows (Unix seconds, sorted). A gap much
+    longer than the run's usual one (a pause and its resume) is not training time."""
+    times = [r["time"] for r in run["rows"] if r["kind"] == "train" and "time" in r]
+    spans = list(zip(times, times[1:]))
+    if not spans:
+        return []
+    longest = max(10 * statistics.median(b - a for a, b in spans), 60.0)
+    return [(a, b) for a, b in spans if 0 <= b - a <= longest]
+
+
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def shared_pct(run: dict, runs: list[dict]) -> float | None:
+    """Percent of `run`'s training time during which another of `runs` trained on the same
+    device (same `device_id` in their summaries), or None where the metrics carry no times."""
+    device = run["summary"].get("device_id")
+    own = _training_intervals(run)
+    if device is None or not own:
+        return None
+    others = _merged(
+        [
+            span
+            for other in runs
+            if other is not run and other["summary"].get("device_id") == device
+            for span in _training_intervals(other)
+        ]
+    )
+    overlap, j = 0.0, 0
+    for a, b in own:  # both sorted: one sweep
+        while j < len(others) and others[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(others) and others[k][0] < b:
+            overlap += min(b, others[k][1]) - max(a, others[k][0])
+            k += 1
+    total = sum(b - a for a, b in own)
+    return 100.0 * overlap / total if total > 0 else None
+
+
 def table(runs: list[dict]) -> list[dict]:
-    base = next((r["summary"] for r in runs if r["name"] == BASELINE), {})
+    base_run = next((r for r in runs if r["name"] == BASELINE), None)
+    base = base_run["summary"] if base_run else {}
+    base_shared = shared_pct(base_run, runs) if base_run else None
     rows = []
     for run in runs:
         s = run["summary"]
         speed = s.get("tokens_per_s")
+        shared = shared_pct(run, runs)
+        alone = all(p is None or p < SHARED_PCT for p in (shared, base_shared))
         rows.append(
             {
                 "run": run["name"],
@@ -85,8 +142,9 @@ def table(runs: list[dict]) -> list[dict]:
                 "gap_pct": _gap(s.get("val_loss"), base.get("val_loss")),
                 "val_bpb": s.get("val_bpb"),
                 "tokens_per_s": speed,
+                "shared_pct": shared,
                 "speed_vs_bf16": speed / base["tokens_per_s"]
-                if speed and base.get("tokens_per_s")
+                if speed and base.get("tokens_per_s") and alone
                 else None,
                 "peak_memory_gib": s.get("peak_memory_gib"),
                 "status": s.get("status", "unfinished"),
@@ -105,7 +163,12 @@ def _cells(row: dict) -> list[str]:
         _fmt(row["val_loss"], ".4f"),
         _fmt(row["gap_pct"], "+.2f") + ("%" if row["gap_pct"] is not None else ""),
         _fmt(row["val_bpb"], ".3f"),
-        _fmt(row["tokens_per_s"], ",.0f"),
+        _fmt(row["tokens_per_s"], ",.0f")
+        + (
+            f" (shared {row['shared_pct']:.0f}%)"
+            if row.get("shared_pct") is not None and row["shared_pct"] >= SHARED_PCT
+            else ""
+        ),
         _fmt(row["speed_vs_bf16"], ".2f") + ("x" if row["speed_vs_bf16"] is not None else ""),
         _fmt(row["peak_memory_gib"], ".2f", "n/a (CPU)"),
         row["status"],
@@ -129,6 +192,22 @@ def format_table(rows: list[dict]) -> str:
     cells = [HEADER] + [_cells(r) for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in cells)
+
+
+def _speed_note(runs: list[dict], rows: list[dict]) -> str:
+    note = (
+        "A run marked *shared N%* trained N% of its time while another run of this report "
+        "trained on the same device, so its speed is not compared with BF16's."
+    )
+    unknown = [r["run"] for r in rows if r.get("shared_pct") is None]
+    if unknown and len(unknown) == len(rows):
+        return "Speeds compare recipes only where the runs had the device to themselves."
+    if unknown:
+        note += (
+            " These runs predate the timestamps that tell (their speeds compare only if they "
+            "had the device to themselves): " + ", ".join(f"`{n}`" for n in unknown) + "."
+        )
+    return note
 
 
 def _markdown_table(header: list[str], lines: list[list[str]]) -> str:
@@ -309,8 +388,8 @@ def write_report(out: Path, names: list[str]) -> Path:
         + (f"torch {', '.join(versions)}. " if versions else "torch version not recorded. ")
         + f"{cfg['steps']} steps of {tokens_per_step:,} tokens (bytes), seed {cfg['seed']}: the "
         "same batches for every run of that seed. Gap to BF16: (loss - loss_bf16) / loss_bf16 "
-        "of the final held-out loss. Tokens/s: each run's median training throughput, which "
-        "compares recipes only when the runs had the device to themselves.",
+        "of the final held-out loss. Tokens/s: each run's median training throughput. "
+        + _speed_note(runs, rows),
         "",
         _markdown_table(HEADER, [_cells(r) for r in rows]),
         "",
