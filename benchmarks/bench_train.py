@@ -40,11 +40,11 @@ import harness  # noqa: E402
 
 from blockscale.ops import EXACT_INDUCTOR_OPTIONS  # noqa: E402
 from blockscale.train import build  # noqa: E402
-from blockscale.train.compare import ABLATIONS  # noqa: E402
+from blockscale.train.compare import ABLATIONS, ablation_label  # noqa: E402
 from blockscale.train.config import TrainConfig  # noqa: E402
 
 RECIPES = ["bf16", "nvfp4", "mxfp8", "nvfp4_fwd_mxfp8_bwd"]
-ABLATED = {"nvfp4-no-" + name.replace("_", "-"): switches for name, switches in ABLATIONS.items()}
+ABLATED = {ablation_label(name): switches for name, switches in ABLATIONS.items()}
 
 
 def variant_config(name: str) -> dict:

@@ -41,6 +41,11 @@ ABLATIONS = {
 }
 
 
+def ablation_label(name: str) -> str:
+    """The run name of an ablation: `hadamard` -> `nvfp4-no-hadamard`."""
+    return "nvfp4-no-" + name.replace("_", "-")
+
+
 def variants(
     base: TrainConfig, names: list[str], ablate: list[str], noise_floor: bool
 ) -> dict[str, TrainConfig]:
@@ -61,8 +66,7 @@ def variants(
             base, recipe="bf16", seed=base.seed + 1
         )
     for name in ablate:
-        label = "nvfp4-no-" + name.replace("_", "-")
-        runs[label] = dataclasses.replace(base, recipe="nvfp4", **ABLATIONS[name])
+        runs[ablation_label(name)] = dataclasses.replace(base, recipe="nvfp4", **ABLATIONS[name])
     return runs
 
 

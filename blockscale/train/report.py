@@ -126,15 +126,14 @@ def shared_pct(run: dict, runs: list[dict]) -> float | None:
 
 
 def table(runs: list[dict]) -> list[dict]:
-    base_run = next((r for r in runs if r["name"] == BASELINE), None)
-    base = base_run["summary"] if base_run else {}
-    base_shared = shared_pct(base_run, runs) if base_run else None
+    base = next((r["summary"] for r in runs if r["name"] == BASELINE), {})
+    shared_of = {run["name"]: shared_pct(run, runs) for run in runs}
     rows = []
     for run in runs:
         s = run["summary"]
         speed = s.get("tokens_per_s")
-        shared = shared_pct(run, runs)
-        alone = all(p is None or p < SHARED_PCT for p in (shared, base_shared))
+        shared = shared_of[run["name"]]
+        alone = all(p is None or p < SHARED_PCT for p in (shared, shared_of.get(BASELINE)))
         rows.append(
             {
                 "run": run["name"],
@@ -194,7 +193,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in cells)
 
 
-def _speed_note(runs: list[dict], rows: list[dict]) -> str:
+def _speed_note(rows: list[dict]) -> str:
     note = (
         "A run marked *shared N%* trained N% of its time while another run of this report "
         "trained on the same device, so its speed is not compared with BF16's."
@@ -389,7 +388,7 @@ def write_report(out: Path, names: list[str]) -> Path:
         + f"{cfg['steps']} steps of {tokens_per_step:,} tokens (bytes), seed {cfg['seed']}: the "
         "same batches for every run of that seed. Gap to BF16: (loss - loss_bf16) / loss_bf16 "
         "of the final held-out loss. Tokens/s: each run's median training throughput. "
-        + _speed_note(runs, rows),
+        + _speed_note(rows),
         "",
         _markdown_table(HEADER, [_cells(r) for r in rows]),
         "",
