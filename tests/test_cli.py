@@ -236,6 +236,13 @@ def test_report_marks_runs_that_shared_a_device_and_compares_no_speed_with_them(
     rows = {r["run"]: r for r in table(runs)}
     assert rows["nvfp4"]["speed_vs_bf16"] is None and rows["mxfp8"]["speed_vs_bf16"] is None
     assert rows["nvfp4_fwd_mxfp8_bwd"]["speed_vs_bf16"] == 1.0
+    assert rows["bf16-seed1"]["speed_vs_bf16"] is None  # no timestamps: it may have shared
+    # Nor does any speed compare with a BF16 baseline that may have shared its device.
+    untimed_bf16 = _timed_run("bf16", "host/gpu0", 0.0)
+    for row in untimed_bf16["rows"]:
+        del row["time"]
+    rows = {r["run"]: r for r in table([untimed_bf16, elsewhere])}
+    assert rows["nvfp4_fwd_mxfp8_bwd"]["speed_vs_bf16"] is None
     # A pause and its resume (a gap far longer than a step) is not training time.
     resumed = _timed_run("nvfp4", "host/gpu0", 900.0, rows=5)
     resumed["rows"] += _timed_run("x", "", 2000.0, rows=5)["rows"]

@@ -254,6 +254,9 @@ def test_cuda_runs_every_recipe_under_bf16_autocast(tmp_path, compile):
         cfg = dataclasses.replace(SHORT, recipe=recipe, device="cuda", compile=compile, steps=12)
         summary = train(cfg, tmp_path / recipe, progress=False)
         assert summary["status"] == "done" and summary["peak_memory_gib"] > 0
+        # The summary's peak is the training steps' own: the largest of the train rows'.
+        peaks = [r["peak_gib"] for r in rows(tmp_path / recipe, "train")]
+        assert summary["peak_memory_gib"] == max(peaks) and peaks == sorted(peaks)
         train_losses = losses(tmp_path / recipe)
         assert all(math.isfinite(v) for v in train_losses) and train_losses[-1] < train_losses[0]
         if recipe != "bf16":
@@ -264,3 +267,4 @@ def test_cuda_runs_every_recipe_under_bf16_autocast(tmp_path, compile):
                 for s in layer.values()
             ]
             assert sqnr and all(12 < v < 40 for v in sqnr)
+            assert all(r["peak_gib"] > 0 for r in rows(tmp_path / recipe, "telemetry"))

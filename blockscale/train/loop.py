@@ -128,14 +128,17 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     schedule = bsnn.PrecisionSchedule(cfg.steps, cfg.bf16_final_fraction)
     quantized_now = None
     tokens_per_step = cfg.batch_size * cfg.grad_accum * seq_len
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    memory = _PeakMemory(device)
 
     def run_telemetry(step: int) -> None:
         if cfg.telemetry_every and recipe.quantized:
             x, y = batches.get(step, 0)
+            memory.restart()
             layers = telemetry.probe(model, x.to(device), y.to(device), autocast)
-            metrics.write({"kind": "telemetry", "step": step, "layers": layers})
+            row = {"kind": "telemetry", "step": step, "layers": layers}
+            if memory.enabled:  # the probe runs eagerly, off the training path
+                row["peak_gib"] = memory.since_restart()
+            metrics.write(row)
 
     n_params = sum(p.numel() for p in model.parameters())
     bar = None
@@ -151,6 +154,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     )
     if start == 0:
         run_telemetry(0)
+    memory.restart()
 
     status, step, started = "done", start, time.perf_counter()
     # The loss of the steps since the last row; a checkpoint carries it over, so a resumed run
@@ -201,6 +205,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                         "tokens_per_s": timed_steps * tokens_per_step / seconds,
                         "time": round(time.time(), 3),
                     }
+                    if memory.enabled:
+                        row["peak_gib"] = memory.training()
                     metrics.write(row)
                     if bar is not None:
                         bar.set_postfix(
@@ -213,6 +219,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                         _say(f"step {done}: loss is {mean_loss}; stopping (the run diverged)", bar)
                         break
                 t0 = time.perf_counter()
+                memory.training()  # what the steps so far used, before evaluation and probes
                 if cfg.eval_every and (done % cfg.eval_every == 0 or last):
                     result = evaluate(
                         model, corpus.val, seq_len, cfg.batch_size, device, cfg.eval_tokens
@@ -241,6 +248,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                         {"loss_sum": loss_sum.item(), "loss_steps": loss_steps},
                         cfg.keep_checkpoints,
                     )
+                memory.restart()  # the next steps' peak starts here
                 excluded += time.perf_counter() - t0
                 if (stop.requested or out_of_time) and not last:
                     status = "interrupted" if stop.requested else "paused"
@@ -262,6 +270,27 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     return summary
 
 
+class _PeakMemory:
+    """The peak memory of the training steps alone: evaluation, the eager telemetry probe and
+    checkpointing run between restarts and are not counted in it. No-op off CUDA."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.enabled, self.peak = device, device.type == "cuda", 0.0
+
+    def since_restart(self) -> float:
+        return torch.cuda.max_memory_allocated(self.device) / 2**30
+
+    def restart(self) -> None:
+        if self.enabled:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def training(self) -> float | None:
+        """Training's peak so far in this process, in GiB (call it before anything else runs)."""
+        if self.enabled:
+            self.peak = max(self.peak, self.since_restart())
+        return self.peak if self.enabled else None
+
+
 def device_id(device: torch.device) -> str:
     """This host and this device (a GPU's UUID): runs with the same id and overlapping times
     shared the device."""
@@ -275,7 +304,9 @@ def summarize(run_dir: Path, cfg: TrainConfig, recipe, status: str, n_params: in
     evals = [r for r in rows if r["kind"] == "eval"]
     # The first interval holds warm-up (and compilation): the median of the rest is the speed.
     rates = [r["tokens_per_s"] for r in train_rows[1:]] or [r["tokens_per_s"] for r in train_rows]
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    # Training's peak over every segment of a resumed run, without evaluation and probes.
+    peaks = [r["peak_gib"] for r in train_rows if r.get("peak_gib") is not None]
+    peak = max(peaks) if peaks else None
     return {
         "status": status,
         "recipe": recipe.name,

@@ -133,7 +133,9 @@ def table(runs: list[dict]) -> list[dict]:
         s = run["summary"]
         speed = s.get("tokens_per_s")
         shared = shared_of[run["name"]]
-        alone = all(p is None or p < SHARED_PCT for p in (shared, shared_of.get(BASELINE)))
+        # Only speeds known to be measured alone compare: a run without timestamps may have
+        # shared the device, and so may a BF16 baseline without them.
+        alone = all(p is not None and p < SHARED_PCT for p in (shared, shared_of.get(BASELINE)))
         rows.append(
             {
                 "run": run["name"],
@@ -199,12 +201,12 @@ def _speed_note(rows: list[dict]) -> str:
         "trained on the same device, so its speed is not compared with BF16's."
     )
     unknown = [r["run"] for r in rows if r.get("shared_pct") is None]
-    if unknown and len(unknown) == len(rows):
-        return "Speeds compare recipes only where the runs had the device to themselves."
     if unknown:
         note += (
-            " These runs predate the timestamps that tell (their speeds compare only if they "
-            "had the device to themselves): " + ", ".join(f"`{n}`" for n in unknown) + "."
+            " These runs predate the timestamps that tell whether a run had the device to "
+            "itself, so their speeds (and every speed, where it is BF16's) are not compared: "
+            + ", ".join(f"`{n}`" for n in unknown)
+            + "."
         )
     return note
 
