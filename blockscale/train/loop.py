@@ -221,9 +221,12 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                 t0 = time.perf_counter()
                 memory.training()  # what the steps so far used, before evaluation and probes
                 if cfg.eval_every and (done % cfg.eval_every == 0 or last):
+                    memory.restart()
                     result = evaluate(
                         model, corpus.val, seq_len, cfg.batch_size, device, cfg.eval_tokens
                     )
+                    if memory.enabled:
+                        result["peak_gib"] = memory.since_restart()
                     metrics.write({"kind": "eval", "step": done, **result})
                     _say(
                         f"step {done}: val loss {result['val_loss']:.4f}, {result['val_bpb']:.3f} bits/byte",
