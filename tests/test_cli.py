@@ -247,3 +247,18 @@ def test_report_marks_runs_that_shared_a_device_and_compares_no_speed_with_them(
     resumed = _timed_run("nvfp4", "host/gpu0", 900.0, rows=5)
     resumed["rows"] += _timed_run("x", "", 2000.0, rows=5)["rows"]
     assert shared_pct(resumed, [resumed, other]) == 0.0
+
+
+def test_report_names_runs_whose_peak_memory_predates_the_training_peak():
+    from blockscale.train.report import _memory_note, table
+
+    new = _timed_run("bf16", "host/gpu0", 0.0)
+    for i, row in enumerate(new["rows"]):
+        row["peak_gib"] = 9.0 + i / 100
+    new["summary"]["peak_memory_gib"] = 9.19
+    old = _timed_run("nvfp4", "host/gpu0", 100.0)
+    old["summary"]["peak_memory_gib"] = 11.1
+    cpu = _timed_run("mxfp8", "cpu", 200.0)  # no peak at all: nothing to say of it
+    note = _memory_note(table([new, old, cpu]))
+    assert "`nvfp4`" in note and "`bf16`" not in note and "`mxfp8`" not in note
+    assert "predate" not in _memory_note(table([new, cpu]))

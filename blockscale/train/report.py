@@ -148,6 +148,11 @@ def table(runs: list[dict]) -> list[dict]:
                 if speed and base.get("tokens_per_s") and alone
                 else None,
                 "peak_memory_gib": s.get("peak_memory_gib"),
+                # Train rows carry the training steps' own peak; before they did, the summary
+                # held the process's peak since its last start, evaluation and probes included.
+                "peak_of_training": any(
+                    "peak_gib" in r for r in run["rows"] if r["kind"] == "train"
+                ),
                 "status": s.get("status", "unfinished"),
             }
         )
@@ -207,6 +212,22 @@ def _speed_note(rows: list[dict]) -> str:
             "itself, so their speeds (and every speed, where it is BF16's) are not compared: "
             + ", ".join(f"`{n}`" for n in unknown)
             + "."
+        )
+    return note
+
+
+def _memory_note(rows: list[dict]) -> str:
+    note = " Peak GiB: the training steps' peak allocation (evaluation and telemetry excluded)."
+    old = [
+        r["run"]
+        for r in rows
+        if r["peak_memory_gib"] is not None and not r.get("peak_of_training", True)
+    ]
+    if old:
+        note += (
+            " These runs predate that measure, so theirs is the peak of the run's last "
+            "(resumed) segment with evaluation and telemetry probes in it, and does not "
+            "compare: " + ", ".join(f"`{n}`" for n in old) + "."
         )
     return note
 
@@ -390,7 +411,8 @@ def write_report(out: Path, names: list[str]) -> Path:
         + f"{cfg['steps']} steps of {tokens_per_step:,} tokens (bytes), seed {cfg['seed']}: the "
         "same batches for every run of that seed. Gap to BF16: (loss - loss_bf16) / loss_bf16 "
         "of the final held-out loss. Tokens/s: each run's median training throughput. "
-        + _speed_note(rows),
+        + _speed_note(rows)
+        + _memory_note(rows),
         "",
         _markdown_table(HEADER, [_cells(r) for r in rows]),
         "",
