@@ -40,18 +40,16 @@ import harness  # noqa: E402
 
 from blockscale.ops import EXACT_INDUCTOR_OPTIONS  # noqa: E402
 from blockscale.train import build  # noqa: E402
-from blockscale.train.compare import ABLATIONS, ablation_label  # noqa: E402
+from blockscale.train.compare import ABLATIONS, ablation_fields, ablation_label  # noqa: E402
 from blockscale.train.config import TrainConfig  # noqa: E402
 
 RECIPES = ["bf16", "nvfp4", "mxfp8", "nvfp4_fwd_mxfp8_bwd"]
-ABLATED = {ablation_label(name): switches for name, switches in ABLATIONS.items()}
+ABLATED = {ablation_label(name): ablation_fields(name) for name in ABLATIONS}
 
 
 def variant_config(name: str) -> dict:
     """TrainConfig fields of a recipe name or of an ablation's name (`nvfp4-no-hadamard`)."""
-    if name in ABLATED:
-        return {"recipe": "nvfp4", **ABLATED[name]}
-    return {"recipe": name}
+    return ABLATED.get(name, {"recipe": name})
 
 
 def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:

@@ -46,6 +46,11 @@ def ablation_label(name: str) -> str:
     return "nvfp4-no-" + name.replace("_", "-")
 
 
+def ablation_fields(name: str) -> dict:
+    """The TrainConfig fields of an ablation: the nvfp4 recipe with one switch off."""
+    return {"recipe": "nvfp4", **ABLATIONS[name]}
+
+
 def variants(
     base: TrainConfig, names: list[str], ablate: list[str], noise_floor: bool
 ) -> dict[str, TrainConfig]:
@@ -66,7 +71,7 @@ def variants(
             base, recipe="bf16", seed=base.seed + 1
         )
     for name in ablate:
-        runs[ablation_label(name)] = dataclasses.replace(base, recipe="nvfp4", **ABLATIONS[name])
+        runs[ablation_label(name)] = dataclasses.replace(base, **ablation_fields(name))
     return runs
 
 

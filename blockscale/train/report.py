@@ -218,11 +218,7 @@ def _speed_note(rows: list[dict]) -> str:
 
 def _memory_note(rows: list[dict]) -> str:
     note = " Peak GiB: the training steps' peak allocation (evaluation and telemetry excluded)."
-    old = [
-        r["run"]
-        for r in rows
-        if r["peak_memory_gib"] is not None and not r.get("peak_of_training", True)
-    ]
+    old = [r["run"] for r in rows if r["peak_memory_gib"] is not None and not r["peak_of_training"]]
     if old:
         note += (
             " These runs predate that measure, so theirs is the peak of the run's last "
