@@ -136,7 +136,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="rows of the emulated GEMM's FP32 accumulator per cuBLAS call, in MiB (0: whole)",
     )
+    parser.add_argument(
+        "--gemm",
+        choices=["fused", "cublas"],
+        default="fused",
+        help="emulated GEMMs as one Triton kernel with the epilogue (default), or cuBLAS with an "
+        "FP32 output and the epilogue kernel after it",
+    )
     args = parser.parse_args(argv)
+    dispatch.FUSED_GEMM = args.gemm == "fused"
     if args.acc_chunk_mib is not None:
         dispatch.ACC_CHUNK_BYTES = int(args.acc_chunk_mib * 2**20)
     device = harness.pick_device(args.device)
@@ -160,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     harness.print_table(rows, columns)
     if args.json:
         record = {"benchmark": "linear", "banner": info, "copy_tbps": copy_tbps, "rows": rows,
-                  "acc_chunk_bytes": dispatch.ACC_CHUNK_BYTES,
+                  "acc_chunk_bytes": dispatch.ACC_CHUNK_BYTES, "gemm": args.gemm,
                   "argv": sys.argv[1:] if argv is None else argv}  # fmt: skip
         harness.write_json(args.json, record)
     return 0

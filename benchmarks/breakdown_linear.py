@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
 import blockscale.kernels as bk  # noqa: E402
+import blockscale.kernels.gemm as bk_gemm  # noqa: E402
 import blockscale.kernels.nvfp4 as bk_nvfp4  # noqa: E402
 import blockscale.nn as bsnn  # noqa: E402
 from blockscale import recipes  # noqa: E402
@@ -156,6 +157,7 @@ def install(rec: Recorder) -> None:
         rec.wrap(bk, name, f"{name.split('_')[0]} dequantize (saved operand)", dequantize)
     rec.wrap(emulated, "mm_fp32_accumulate", "GEMM (cuBLAS, FP32 out)", gemm)
     rec.wrap(bk, "gemm_epilogue", "GEMM epilogue (alpha, bias, cast)", epilogue)
+    rec.wrap(bk_gemm, "gemm_fused", "GEMM + epilogue (Triton, one kernel)", gemm)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="16384,4096,4096", help="M,K,N")
     parser.add_argument("--acc-chunk-mib", type=float, default=None,
                         help="rows of the FP32 accumulator per GEMM call, in MiB (0: whole)")  # fmt: skip
+    parser.add_argument("--gemm", choices=["fused", "cublas"], default="fused",
+                        help="emulated GEMMs as one Triton kernel with the epilogue, or cuBLAS "
+                        "(FP32 out) + the epilogue kernel")  # fmt: skip
     parser.add_argument("--profile-host", action="store_true",
                         help="also print the Python functions that take the host's time")  # fmt: skip
     args = parser.parse_args(argv)
@@ -171,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type != "cuda":
         print("breakdown_linear needs a CUDA device (it reads GPU kernel times)")
         return 1
+    dispatch.FUSED_GEMM = args.gemm == "fused"
     if args.acc_chunk_mib is not None:
         dispatch.ACC_CHUNK_BYTES = int(args.acc_chunk_mib * 2**20)
     reps = args.reps or 10
@@ -267,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
                                            copy_tbps=copy / 1e12, step_ms=step_ms,
                                            host_ms=host_ms,
                                            bf16_step_ms=bf16_ms, gemm_ceiling_tflops=gemm_ceiling,
-                                           acc_chunk_bytes=dispatch.ACC_CHUNK_BYTES, rows=clean))  # fmt: skip
+                                           acc_chunk_bytes=dispatch.ACC_CHUNK_BYTES,
+                                           gemm=args.gemm, rows=clean))  # fmt: skip
     return 0
 
 

@@ -6,14 +6,17 @@ On the GPU the kernels are chosen for every CUDA tensor. Here, on the CPU,
 (tests/conftest.py turns it on), the GEMM epilogue kernel included, and
 each recipe's forward output, grad_input and grad_weight must equal the reference path's
 exactly: the kernels are bit-exact to formats/ for nearest rounding, the `_dq` operands they
-write are the same exact values, and the GEMM that consumes them is the same call.
-Stochastic rounding is off (the kernels draw Philox bits, not torch.rand's).
+write are the same exact values, and the GEMM that consumes them is the same call (the fused
+GEMM kernel is switched off for this: its FP32 sums may be ordered differently). A second test
+runs the fused GEMM kernel in the step and checks it against the same reference within that
+reordering. Stochastic rounding is off (the kernels draw Philox bits, not torch.rand's).
 """
 
 import pytest
 import torch
 
 from blockscale import _library, recipes
+from blockscale.gemm import dispatch
 from blockscale.ops import linear
 
 pytest.importorskip("triton")
@@ -35,9 +38,7 @@ def _step(x, w, b, recipe):
     return out.detach(), x.grad, w.grad
 
 
-@pytest.mark.parametrize("tokens", [64, 40], ids=["one-read", "padded-tokens"])
-@pytest.mark.parametrize("name", list(RECIPES))
-def test_kernel_path_equals_reference_path(name, tokens, monkeypatch):
+def _reference_and_kernel_steps(name, tokens, monkeypatch):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, tokens // 2, 64, generator=g).bfloat16()
     x[0, 3, 5] = 40.0  # an outlier, so the blocks' scales differ
@@ -55,7 +56,35 @@ def test_kernel_path_equals_reference_path(name, tokens, monkeypatch):
     monkeypatch.setattr(_library, "use_kernels", on_cpu_too)
     kernel = _step(x, w, b, RECIPES[name])
     monkeypatch.setattr(_library, "use_kernels", real)
-
     assert calls, "the kernel path was never taken"
+    return reference, kernel
+
+
+@pytest.mark.parametrize("tokens", [64, 40], ids=["one-read", "padded-tokens"])
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_kernel_path_equals_reference_path(name, tokens, monkeypatch):
+    monkeypatch.setattr(dispatch, "FUSED_GEMM", False)
+    reference, kernel = _reference_and_kernel_steps(name, tokens, monkeypatch)
     for got, want, what in zip(kernel, reference, ("output", "grad_input", "grad_weight")):
         torch.testing.assert_close(got, want, atol=0, rtol=0, msg=f"{name}: {what} differs")
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8"])
+def test_fused_gemm_in_the_step_matches_the_reference_path(name, monkeypatch):
+    from blockscale.kernels import gemm
+
+    shapes = []
+    real = gemm._gemm_fused
+
+    def counted(a, b, *args):
+        shapes.append((tuple(a.shape), tuple(b.shape)))
+        return real(a, b, *args)
+
+    monkeypatch.setattr(gemm, "_gemm_fused", counted)
+    reference, kernel = _reference_and_kernel_steps(name, 40, monkeypatch)
+    # output, grad_input, grad_weight (40 tokens padded to the block for grad_weight's operands)
+    t = {"nvfp4": 48, "mxfp8": 64}[name]
+    assert shapes == [((40, 64), (96, 64)), ((40, 96), (64, 96)), ((96, t), (64, t))]
+    # the same products; only the FP32 summation order may differ (one BF16 step at most)
+    for got, want, what in zip(kernel, reference, ("output", "grad_input", "grad_weight")):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=2**-7, msg=f"{name}: {what}")

@@ -42,6 +42,10 @@ from blockscale.gemm import emulated, native
 # splits accumulators larger than a [16384, 4096] one.
 ACC_CHUNK_BYTES = 256 * 2**20
 
+# On CUDA, run the GEMM and its epilogue as one Triton kernel (kernels/gemm.py) wherever TMA
+# can read the operands; False: cuBLAS with an FP32 output, then the epilogue kernel.
+FUSED_GEMM = True
+
 
 class Backend(StrEnum):
     """Where block-scaled GEMMs run. AUTO: native on compute capability >= 10.0, else emulated."""
@@ -169,12 +173,18 @@ def _emulated_fused(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The CUDA path: the FP32 accumulator is made ACC_CHUNK_BYTES of rows at a time and each
-    chunk goes through the epilogue kernel into its rows of the output, so the FP32 tensor
-    never exists whole (a [16384, 4096] BF16 output would otherwise need 256 MiB beside it)."""
+    """The kernel path. With FUSED_GEMM, one Triton kernel runs the GEMM and applies the
+    epilogue to the accumulator in registers (layouts TMA cannot read fall back inside the op
+    to cuBLAS + the epilogue kernel). Without, cuBLAS makes the FP32 accumulator,
+    ACC_CHUNK_BYTES of rows at a time, and each chunk goes through the epilogue kernel into its
+    rows of the output, so the FP32 tensor never exists whole (a [16384, 4096] BF16 output
+    would otherwise need 256 MiB beside it)."""
+    from blockscale.kernels import gemm as fused  # noqa: PLC0415
     from blockscale.kernels import gemm_epilogue  # noqa: PLC0415 (Triton is optional)
 
     m, n = a_dq.shape[0], b_dq.shape[0]
+    if FUSED_GEMM:
+        return fused.gemm_fused(a_dq, b_dq, amax, bias, out_dtype=out_dtype, fallback=True)
     if out_dtype == torch.float32:  # the accumulator is the output: scale it in place
         acc = emulated.mm_fp32_accumulate(a_dq, b_dq)
         if amax is None and bias is None:

@@ -1,0 +1,283 @@
+"""The emulated GEMM and its epilogue in one persistent TMA kernel (Hopper and later).
+
+out[M, N] = cast(a[M, K] @ b[N, K].T * alpha + bias): BF16 (exact `_dq`) operands, FP32
+accumulation in the tensor cores, and the epilogue of epilogue.py applied to the accumulator in
+registers (alpha from the two NVFP4 amaxes, the product rounded on its own, the FP32 bias,
+round-to-nearest-even to BF16). Against cuBLAS with an FP32 output plus epilogue.py it skips the
+FP32 accumulator's write and read (8 bytes per output value) and the accumulator's memory.
+
+The result differs from the cuBLAS path only in the order of the FP32 additions, which the
+emulated GEMM leaves unspecified (NUMERICS.md, "GEMMs"); the epilogue's roundings are the same.
+
+Layouts: `a` K-major ([M, K], unit stride along K); `b` either K-major ([N, K]) or N-major (a
+[N, K] view of a [K, N] tensor with unit stride along N, e.g. the transposed 16x16 weight of
+dgrad), read through a TMA descriptor of whichever layout it has. TMA needs 16-byte aligned
+bases and row strides: `supported()` says whether a call qualifies, and the dispatch falls back
+to cuBLAS + epilogue when it does not.
+
+Persistent: one program per SM walks the output tiles (grouped along M for L2 reuse); the tile
+loop and the K loop are flattened so the next tile's loads overlap this tile's epilogue.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from blockscale._library import library_op
+from blockscale.gemm.emulated import mm_fp32_accumulate
+from blockscale.kernels._common import bf16_bits, cdiv, interpreting, round_to_bf16
+from blockscale.kernels.epilogue import _decode_scale, _mul_rn, gemm_epilogue
+
+# (BM, BN, BK, GROUP_M, num_warps, num_stages, flatten, warp_specialize); `config_for` picks
+# one per call. benchmarks/bench_gemm.py measures the choices (docs/KERNELS.md).
+DEFAULT_CONFIG = (128, 256, 64, 8, 8, 3, 1, 0)
+# Warp-specialized (producer and consumer warps, Hopper): faster where the contraction is long
+# and there are many output tiles (measured on an H100: 16384 x 14336 -> 4096 output and
+# grad_input GEMMs, 2624 / 2632 us against 2691 / 2876 us with DEFAULT_CONFIG), slower on the
+# step's grad_weight GEMMs (long contraction, fewer tiles).
+LONG_K_CONFIG = (128, 256, 64, 8, 8, 3, 0, 1)
+# An FP32 output tile (grad_weight of FP32 master weights) is twice the shared memory of a
+# BF16 one: 128 x 256 with 3 stages would need 272 KiB, past Hopper's 227 KiB per block.
+FP32_OUT_CONFIG = (128, 128, 64, 8, 8, 4, 1, 0)
+SHARED_MEMORY_BYTES = 227 * 1024  # per thread block on H100 (and B200)
+# BF16 `_dq` operands on the GPU; FP32 ones (exact products in IEEE FP32) are what the CPU
+# path builds, and what the interpreter runs in the tests.
+OPERAND_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    group = GROUP_M * num_pid_n
+    first_m = (tile_id // group) * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile_id % group) % size_m
+    pid_n = (tile_id % group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _mma_tile(a_desc, b_desc, om, on, ki, acc, B_KMAJOR: tl.constexpr, BK: tl.constexpr,
+              DOT_F32: tl.constexpr):  # fmt: skip
+    a = a_desc.load([om, ki * BK])
+    if B_KMAJOR:
+        b = b_desc.load([on, ki * BK]).T
+    else:
+        b = b_desc.load([ki * BK, on])
+    if DOT_F32:  # Triton's interpreter (numpy) has no BF16 product
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _epilogue_store(acc, out_desc, amax_a_ptr, amax_b_ptr, bias_ptr, om, on, N,
+                    HAS_ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
+                    ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    if HAS_ALPHA:
+        alpha = _decode_scale(tl.load(amax_a_ptr)) * _decode_scale(tl.load(amax_b_ptr))
+        acc = _mul_rn(acc, tl.broadcast_to(alpha, [BM, BN]), ASM)
+    if HAS_BIAS:
+        rn = on + tl.arange(0, BN)
+        acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    if OUT_BF16:
+        out_desc.store([om, on], bf16_bits(round_to_bf16(acc)))
+    else:
+        out_desc.store([om, on], acc)
+
+
+@triton.jit
+def _gemm_kernel(
+    a_desc, b_desc, out_desc, amax_a_ptr, amax_b_ptr, bias_ptr, M, N, K,
+    HAS_ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr,
+    B_KMAJOR: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):  # fmt: skip
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    num_tiles = num_pid_m * num_pid_n
+    if INTERPRET:
+        # (the interpreter cannot iterate a range with a runtime bound under numpy 2)
+        tile_id = tl.program_id(0)
+        while tile_id < num_tiles:
+            pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            ki = 0
+            while ki < k_tiles:
+                acc = _mma_tile(a_desc, b_desc, pid_m * BM, pid_n * BN, ki, acc, B_KMAJOR, BK,
+                                DOT_F32)  # fmt: skip
+                ki += 1
+            _epilogue_store(acc, out_desc, amax_a_ptr, amax_b_ptr, bias_ptr, pid_m * BM,
+                            pid_n * BN, N, HAS_ALPHA, HAS_BIAS, OUT_BF16, ASM, BM, BN)  # fmt: skip
+            tile_id += PROGRAMS
+    else:
+        for tile_id in tl.range(
+            tl.program_id(0), num_tiles, PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE
+        ):
+            pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for ki in range(k_tiles):
+                acc = _mma_tile(a_desc, b_desc, pid_m * BM, pid_n * BN, ki, acc, B_KMAJOR, BK,
+                                DOT_F32)  # fmt: skip
+            _epilogue_store(acc, out_desc, amax_a_ptr, amax_b_ptr, bias_ptr, pid_m * BM,
+                            pid_n * BN, N, HAS_ALPHA, HAS_BIAS, OUT_BF16, ASM, BM, BN)  # fmt: skip
+
+
+def config_for(m: int, n: int, k: int, out_dtype: torch.dtype = torch.bfloat16) -> tuple[int, ...]:
+    """The tile config for out [m, n] contracting k (measured choices, see the constants)."""
+    if out_dtype == torch.float32:
+        return FP32_OUT_CONFIG
+    return LONG_K_CONFIG if k >= 8192 and m >= 16384 else DEFAULT_CONFIG
+
+
+def shared_memory_bytes(config: tuple[int, ...], out_dtype: torch.dtype) -> int:
+    """Shared memory a config needs: its pipeline stages of both operand tiles (BF16) and the
+    output tile the TMA store is staged through (an estimate of Triton's allocation)."""
+    bm, bn, bk, _, _, stages = config[:6]
+    out_size = torch.empty((), dtype=out_dtype).element_size()
+    return stages * (bm + bn) * bk * 2 + bm * bn * out_size
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs(device: torch.device, tiles: int) -> int:
+    if device.type != "cuda":
+        return min(tiles, 4)
+    return min(tiles, _sm_count(device.index if device.index is not None else 0))
+
+
+def _aligned(t: torch.Tensor, major: int) -> bool:
+    """Whether a 2-D tensor can back a TMA descriptor with unit stride along dim `major`."""
+    other = 1 - major
+    size = t.element_size()
+    return (
+        t.stride(major) == 1
+        and t.data_ptr() % 16 == 0
+        and (t.stride(other) * size) % 16 == 0
+        and t.shape[major] * size >= 16
+    )
+
+
+def supported(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the kernel can read a [M, K], b [N, K] (view) and write out [M, N] as laid out
+    (reads data pointers: call it on real tensors, not under tracing)."""
+    if a.dim() != 2 or b.dim() != 2 or out.dim() != 2 or min(a.shape + b.shape) == 0:
+        return False
+    if a.dtype not in OPERAND_DTYPES or b.dtype != a.dtype:
+        return False
+    return _aligned(a, 1) and (_aligned(b, 1) or _aligned(b, 0)) and _aligned(out, 1)
+
+
+# A custom op (opaque to Inductor) launching the kernel directly, rather than a triton_op:
+# Inductor has nothing to fuse into a GEMM, and this keeps the TMA descriptors out of its
+# tracing of user kernels.
+@library_op("blockscale::gemm_fused", mutates_args=("out",))
+def _gemm_fused(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    amax_a: torch.Tensor | None,
+    amax_b: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    config: list[int],
+    fallback: bool,
+) -> None:
+    if not supported(a, b, out):
+        if not fallback:
+            raise ValueError(
+                "gemm_fused needs 16-byte aligned TMA layouts: a K-major, b K- or N-major, out "
+                f"with unit column stride; got strides {a.stride()}, {b.stride()}, {out.stride()}"
+            )
+        # cuBLAS (FP32 out) and the epilogue kernel: the same roundings, one more pass
+        acc = mm_fp32_accumulate(a, b)
+        amax = None if amax_a is None else (amax_a, amax_b)
+        if out.stride(1) == 1:
+            gemm_epilogue(acc, amax, bias, out=out)
+        else:
+            out.copy_(gemm_epilogue(acc, amax, bias, out_dtype=out.dtype))
+        return
+    M, K = a.shape
+    N = b.shape[0]
+    bm, bn, bk, group_m, warps, stages, flatten, ws = config
+    b_kmajor = b.stride(1) == 1
+    bf16 = out.dtype == torch.bfloat16
+    dst = out.view(torch.int16) if bf16 else out
+    a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
+    b_desc = (
+        TensorDescriptor.from_tensor(b, [bn, bk])
+        if b_kmajor
+        else TensorDescriptor.from_tensor(b.t(), [bk, bn])
+    )
+    out_desc = TensorDescriptor.from_tensor(dst, [bm, bn])
+    tiles = cdiv(M, bm) * cdiv(N, bn)
+    programs = _programs(a.device, tiles)
+    unused = out
+    _gemm_kernel[(programs,)](
+        a_desc, b_desc, out_desc, amax_a if amax_a is not None else unused,
+        amax_b if amax_b is not None else unused, bias if bias is not None else unused,
+        M, N, K,
+        HAS_ALPHA=amax_a is not None, HAS_BIAS=bias is not None, OUT_BF16=bf16,
+        ASM=not interpreting(), B_KMAJOR=b_kmajor,
+        DOT_F32=interpreting() or a.dtype == torch.float32, INTERPRET=interpreting(),
+        BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PROGRAMS=programs, FLATTEN=bool(flatten),
+        WARP_SPECIALIZE=bool(ws), num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
+@_gemm_fused.op.register_fake
+def _(a, b, amax_a, amax_b, bias, out, config, fallback) -> None:
+    return None
+
+
+def gemm_fused(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    amax: tuple[torch.Tensor, torch.Tensor] | None = None,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: tuple[int, ...] | None = None,
+    fallback: bool = False,
+) -> torch.Tensor:
+    """cast(a @ b.T * alpha + bias) for BF16 a [M, K] (K-major) and b [N, K] (K- or N-major
+    view), alpha = S_dec_a * S_dec_b from `amax` (the two NVFP4 tensor amaxes; None: 1), an
+    optional FP32 bias [N], into `out` (a [M, N] BF16/FP32 tensor with unit column stride, e.g.
+    a row slice of a larger output) or a new `out_dtype` tensor. `config`: the tiles (8 ints,
+    see DEFAULT_CONFIG; None: `config_for` the shape). Layouts TMA cannot read (`supported`)
+    raise ValueError, or with `fallback` run cuBLAS (FP32 out) and the epilogue kernel (the
+    check reads data pointers, so it is made inside the op, at run time)."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"need a [M, K] and b [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype not in OPERAND_DTYPES or b.dtype != a.dtype:
+        raise ValueError(f"operands must be both BF16 (or both FP32), got {a.dtype} and {b.dtype}")
+    if out is None:
+        out = torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
+    if out.dtype not in (torch.bfloat16, torch.float32) or out.shape != (a.shape[0], b.shape[0]):
+        raise ValueError(
+            f"out must be [{a.shape[0]}, {b.shape[0]}] BF16 or FP32, got {out.dtype} "
+            f"{tuple(out.shape)}"
+        )
+    if config is None:
+        config = config_for(a.shape[0], b.shape[0], a.shape[1], out.dtype)
+    if len(config) != len(DEFAULT_CONFIG):
+        raise ValueError(
+            f"config takes {len(DEFAULT_CONFIG)} ints (see DEFAULT_CONFIG), got {config}"
+        )
+    amax_a = amax_b = None
+    if amax is not None:
+        amax_a, amax_b = (v.to(device=a.device, dtype=torch.float32).reshape(()) for v in amax)
+    if bias is not None:
+        if bias.shape != (b.shape[0],):
+            raise ValueError(f"bias must be [{b.shape[0]}], got {tuple(bias.shape)}")
+        bias = bias.to(device=a.device, dtype=torch.float32).contiguous()
+    _gemm_fused(a, b, amax_a, amax_b, bias, out, list(config), fallback)
+    return out

@@ -1,0 +1,169 @@
+"""The fused GEMM + epilogue kernel (kernels/gemm.py) against cuBLAS-or-CPU GEMM + the reference
+epilogue.
+
+A GEMM's FP32 summation order is unspecified (NUMERICS.md, "GEMMs"), so the exact tests use
+operands whose every partial sum is exact in FP32 (small integers times powers of two): every
+order then gives the same accumulator, and the kernel's epilogue (alpha, bias, cast) must
+match the reference epilogue bit for bit. On random data the output is compared with the
+cuBLAS path within the reassociation of FP32 sums (GPU, the step's shapes).
+"""
+
+import pytest
+import torch
+
+from blockscale.formats import nvfp4
+from blockscale.kernels import gemm
+
+ON_GPU = torch.cuda.is_available()
+DEV = "cuda" if ON_GPU else "cpu"
+# Operands are BF16 on the GPU; the CPU path (and so the interpreter) multiplies FP32 ones.
+OPERAND = torch.bfloat16 if ON_GPU else torch.float32
+SMALL = (32, 64, 32, 4, 4, 2, 1, 0)  # tiles the interpreter runs quickly; edges in every dim
+
+AMAXES = {
+    "no-alpha": None,
+    "alpha": (3.5, 0.0390625),
+    "zero-amax": (0.0, 7.0),
+    "inf-amax": (float("inf"), 2.0),
+    "nan-amax": (1.0, float("nan")),
+}
+
+
+def exact(a, b):
+    torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True)
+
+
+def dyadic(*shape, seed):
+    """Integers in [-8, 8] times 1/8: products and sums stay exact in FP32 for K < 2^14."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return (torch.randint(-8, 9, shape, generator=g, device=DEV) / 8).to(OPERAND)
+
+
+def operands(m, k, n, b_layout, seed=0):
+    a = dyadic(m, k, seed=seed)
+    if b_layout == "k-major":
+        b = dyadic(n, k, seed=seed + 1)
+    else:  # a [N, K] view of a [K, N] tensor: the transposed 16x16 weight of dgrad
+        b = dyadic(k, n, seed=seed + 1).t()
+    return a, b
+
+
+def reference(a, b, amax, bias, out_dtype):
+    acc = (a.double() @ b.double().t()).float()  # exact: see dyadic
+    if amax is not None:
+        acc.mul_(nvfp4.decode_scale(amax[0]) * nvfp4.decode_scale(amax[1]))
+    if bias is not None:
+        acc.add_(bias)
+    return acc.to(out_dtype)
+
+
+def same_bits(got, want):
+    assert got.dtype == want.dtype
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    ints = torch.int16 if got.dtype == torch.bfloat16 else torch.int32
+    exact(got.view(ints)[finite], want.view(ints)[finite])
+
+
+@pytest.mark.parametrize("amax", list(AMAXES.values()), ids=list(AMAXES))
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("b_layout", ["k-major", "n-major"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_fused_gemm_epilogue_is_exact(amax, with_bias, b_layout, out_dtype):
+    m, k, n = 40, 96, 72  # edges in M and N, and a K tail of half a tile
+    a, b = operands(m, k, n, b_layout)
+    g = torch.Generator(device=DEV).manual_seed(3)
+    bias = torch.randn(n, generator=g, device=DEV) if with_bias else None
+    amax_t = None if amax is None else tuple(torch.tensor(v, device=DEV) for v in amax)
+    got = gemm.gemm_fused(a, b, amax_t, bias, out_dtype=out_dtype, config=SMALL)
+    same_bits(got, reference(a, b, amax_t, bias, out_dtype))
+
+
+def test_fused_gemm_writes_into_a_row_slice_and_nowhere_else():
+    a, b = operands(24, 64, 64, "k-major", seed=5)
+    amax = (torch.tensor(2688.0, device=DEV), torch.tensor(1344.0, device=DEV))  # alpha = 0.5
+    out = torch.full((40, 64), 7.0, dtype=torch.bfloat16, device=DEV)
+    gemm.gemm_fused(a, b, amax, out=out[8:32], config=SMALL)
+    same_bits(out[8:32], reference(a, b, amax, None, torch.bfloat16))
+    assert (out[:8] == 7).all() and (out[32:] == 7).all()
+
+
+def test_fused_gemm_default_config_and_one_tile_shapes():
+    for m, k, n in [(16, 16, 16), (130, 200, 8)]:
+        a, b = operands(m, k, n, "k-major", seed=m)
+        same_bits(gemm.gemm_fused(a, b), reference(a, b, None, None, torch.bfloat16))
+
+
+def test_config_for_picks_the_warp_specialized_tiles_only_for_long_contractions():
+    assert gemm.config_for(16384, 4096, 4096) == gemm.DEFAULT_CONFIG
+    assert gemm.config_for(16384, 4096, 14336) == gemm.LONG_K_CONFIG
+    assert gemm.config_for(4096, 4096, 16384) == gemm.DEFAULT_CONFIG  # grad_weight
+    assert gemm.config_for(4096, 4096, 16384, torch.float32) == gemm.FP32_OUT_CONFIG
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_chosen_configs_fit_in_shared_memory(out_dtype):
+    # (an FP32 output tile of DEFAULT_CONFIG's size did not fit: OutOfResources on an H100)
+    for mnk in [(16384, 4096, 4096), (16384, 4096, 14336), (4096, 4096, 16384), (64, 64, 64)]:
+        config = gemm.config_for(*mnk, out_dtype)
+        assert gemm.shared_memory_bytes(config, out_dtype) <= gemm.SHARED_MEMORY_BYTES
+    assert gemm.shared_memory_bytes(gemm.DEFAULT_CONFIG, torch.float32) > gemm.SHARED_MEMORY_BYTES
+
+
+def test_fused_gemm_falls_back_for_layouts_tma_cannot_read():
+    a, b = operands(32, 64, 48, "k-major", seed=7)
+    a_mn = a.t().contiguous().t()  # not K-major
+    amax = (torch.tensor(3.5, device=DEV), torch.tensor(0.0390625, device=DEV))
+    bias = torch.randn(48, generator=torch.Generator(device=DEV).manual_seed(1), device=DEV)
+    assert not gemm.supported(a_mn, b, torch.empty(32, 48, device=DEV))
+    got = gemm.gemm_fused(a_mn, b, amax, bias, fallback=True)
+    same_bits(got, reference(a, b, amax, bias, torch.bfloat16))
+
+
+def test_fused_gemm_rejects_what_it_cannot_read():
+    a, b = operands(32, 64, 32, "k-major")
+    with pytest.raises(ValueError, match="TMA"):
+        gemm.gemm_fused(a.t().contiguous().t(), b)  # a not K-major
+    with pytest.raises(ValueError, match="both BF16"):
+        gemm.gemm_fused(a.half(), b.half())
+    with pytest.raises(ValueError, match="8 ints"):
+        gemm.gemm_fused(a, b, config=(32, 64, 32))
+    with pytest.raises(ValueError, match="bias must be"):
+        gemm.gemm_fused(a, b, bias=torch.zeros(3, device=DEV))
+    with pytest.raises(ValueError, match=r"need a \[M, K\]"):
+        gemm.gemm_fused(a, b[:, :16])
+    assert not gemm.supported(a[:, 1:], b[:, 1:], torch.empty(32, 32, device=DEV))  # misaligned
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (TMA, large shapes)")
+@pytest.mark.parametrize(
+    "m, k, n, b_layout",
+    [
+        (16384, 4096, 4096, "k-major"),  # output
+        (16384, 4096, 4096, "n-major"),  # grad_input (transposed 16x16 weight)
+        (4096, 16384, 4096, "k-major"),  # grad_weight
+        (16384, 14336, 4096, "n-major"),  # the warp-specialized config
+        (8192, 5120, 11328, "k-major"),
+    ],
+)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_fused_gemm_matches_cublas_on_random_data(m, k, n, b_layout, out_dtype):
+    from blockscale.gemm import emulated
+    from blockscale.kernels import gemm_epilogue
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+    b = torch.randn(n, k, generator=g, device="cuda").bfloat16()
+    if b_layout == "n-major":
+        b = b.t().contiguous().t()
+    amax = (torch.tensor(3.0, device="cuda"), torch.tensor(5.0, device="cuda"))
+    got = gemm.gemm_fused(a, b, amax, out_dtype=out_dtype).float()
+    want = gemm_epilogue(emulated.mm_fp32_accumulate(a, b), amax, out_dtype=out_dtype).float()
+    # Only the FP32 summation order may differ: BF16 outputs a BF16 step apart at most, and
+    # rarely; FP32 ones by the reassociation error of K-long sums.
+    if out_dtype == torch.bfloat16:
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-30)
+        assert (got != want).float().mean().item() < 1e-3
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
