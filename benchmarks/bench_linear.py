@@ -12,7 +12,10 @@ For each shape the script measures, in the same run:
 
 The GEMM backend is whatever `recipe.backend="auto"` picks (emulated on Hopper), printed per
 row. `--compile` adds rows for the step under torch.compile (one compilation per shape and
-recipe, with Inductor's eager-numerics options so the compiled step stays exact). `--quick`
+recipe, with Inductor's eager-numerics options so the compiled step stays exact).
+`--cuda-graph` adds rows for the eager step captured once in a CUDA graph and replayed: the
+step's GPU time without the host's launch cost (what `mode="reduce-overhead"` or a captured
+training step gets; it tells a launch-bound step from a GPU-bound one). `--quick`
 runs tiny shapes with few repetitions: a smoke test that runs on the CPU.
 
     python benchmarks/bench_linear.py --json results/bench_linear_h100.json
@@ -64,6 +67,21 @@ def make_step(layer: torch.nn.Module, fn: Any):
     return step
 
 
+def captured(step: Any, x: torch.Tensor, go: torch.Tensor) -> torch.cuda.CUDAGraph:
+    """`step(x, go)` captured in a CUDA graph (warmed up on a side stream first, as capture
+    requires); each replay runs the whole forward + backward with the same input tensors."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step(x, go)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(x, go)
+    return graph
+
+
 def bench_shape(
     m: int, k: int, n: int, names: list[str], args: argparse.Namespace, device: torch.device
 ) -> list[dict[str, Any]]:
@@ -81,10 +99,11 @@ def bench_shape(
         device,
     )
     rows: list[dict[str, Any]] = []
-    variants = [(name, False) for name in names] + (
-        [(name, True) for name in names] if args.compile else []
-    )
-    for name, compiled in variants:
+    variants = [(name, "") for name in names]
+    variants += [(name, "compile") for name in names] if args.compile else []
+    variants += [(name, "cuda-graph") for name in names] if args.cuda_graph else []
+    for name, mode in variants:
+        compiled = mode == "compile"
         recipe = recipes.get(name)
         layer = bsnn.Linear(k, n, bias=False, device="meta", recipe=recipe)
         layer.weight = weight
@@ -95,13 +114,19 @@ def bench_shape(
             torch._dynamo.reset()
             fn = torch.compile(layer, fullgraph=True, options=EXACT_INDUCTOR_OPTIONS)
         step = make_step(layer, fn)
-        timing = harness.time_fn(step, inputs, warmup=warmup, reps=reps, device=device)
-        peak = harness.peak_memory(lambda step=step: step(*inputs[0]), device)
+        if mode == "cuda-graph":
+            graph = captured(step, *inputs[0])
+            timing = harness.time_fn(graph.replay, warmup=warmup, reps=reps, device=device)
+            peak = None  # the graph's memory pool is allocated once, at capture
+            del graph
+        else:
+            timing = harness.time_fn(step, inputs, warmup=warmup, reps=reps, device=device)
+            peak = harness.peak_memory(lambda step=step: step(*inputs[0]), device)
         backend = resolve_backend(recipe.backend, device).value if recipe.quantized else "F.linear"
         rows.append(
             {
                 "shape": f"{m}x{k}x{n}",
-                "recipe": name + (" +compile" if compiled else ""),
+                "recipe": name + (f" +{mode}" if mode else ""),
                 "backend": backend,
                 "ms": timing.median_ms,
                 "p20_ms": timing.p20_ms,
@@ -116,7 +141,12 @@ def bench_shape(
         print(f"  {rows[-1]['shape']} {rows[-1]['recipe']}: {timing.median_ms:.3f} ms", flush=True)
     base = next(r for r in rows if r["recipe"] == "bf16")
     for r in rows:
-        r["time_vs_bf16"] = r["ms"] / base["ms"]
+        r["time_vs_bf16"] = r["ms"] / base["ms"]  # against eager BF16
+        mode = r["recipe"].partition(" ")[2]  # "", "+compile" or "+cuda-graph"
+        same = next(
+            (q for q in rows if q["recipe"] == " ".join(filter(None, ["bf16", mode]))), None
+        )
+        r["vs_bf16_same_mode"] = r["ms"] / same["ms"] if same else None
         r["mem_vs_bf16"] = None if r["peak_mib"] is None else r["peak_mib"] / base["peak_mib"]
     return rows
 
@@ -129,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--compile", action="store_true", help="also time each step under torch.compile"
+    )
+    parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="also time each eager step captured in a CUDA graph (GPU time without launches)",
     )
     parser.add_argument(
         "--acc-chunk-mib",
@@ -144,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         "FP32 output and the epilogue kernel after it",
     )
     args = parser.parse_args(argv)
+    if args.cuda_graph and not torch.cuda.is_available():
+        parser.error("--cuda-graph needs a CUDA device")
     dispatch.FUSED_GEMM = args.gemm == "fused"
     if args.acc_chunk_mib is not None:
         dispatch.ACC_CHUNK_BYTES = int(args.acc_chunk_mib * 2**20)
@@ -163,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for m, k, n in shapes:
         rows += bench_shape(m, k, n, names, args, device)
-    columns = ["shape", "recipe", "backend", "ms", "time_vs_bf16", "tflops", "pct_floor",
-               "peak_mib", "mem_vs_bf16"]  # fmt: skip
+    columns = ["shape", "recipe", "backend", "ms", "time_vs_bf16", "vs_bf16_same_mode", "tflops",
+               "pct_floor", "peak_mib", "mem_vs_bf16"]  # fmt: skip
     harness.print_table(rows, columns)
     if args.json:
         record = {"benchmark": "linear", "banner": info, "copy_tbps": copy_tbps, "rows": rows,

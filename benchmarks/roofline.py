@@ -53,8 +53,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             seen.add((row["shape"], row["phase"]))
             gm, gk, gn = (int(v) for v in row["shape"].split("x"))
-            nbytes = 2 * (gm * gk + gn * gk) + 4 * gm * gn  # BF16 operands, FP32 output
-            label = f"GEMM {row['phase']} {row['shape']} (FP32 out)"
+            # BF16 operands; the fused kernel writes BF16, cuBLAS for the epilogue FP32
+            fused = "Triton" in row["op"]
+            nbytes = 2 * (gm * gk + gn * gk) + (2 if fused else 4) * gm * gn
+            kind = "fused epilogue, BF16 out" if fused else "cuBLAS, FP32 out"
+            label = f"GEMM {row['phase']} {row['shape']} ({kind})"
             points.append((label, row["flops"] / nbytes, row["tflops"] * 1e12, "gemm"))
 
     fig, ax = plt.subplots(figsize=(13, 6.5))
