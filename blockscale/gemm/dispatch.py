@@ -7,9 +7,11 @@ Backends (`Backend`, also a field of every recipe):
 
 - `emulated`: exact on any device. The `_dq` operands (code * block scale) are exact in BF16,
   the product accumulates in FP32 (`formats`' emulated GEMM), alpha and bias are applied to the
-  FP32 accumulator in place, and the result is cast once. Memory passes beyond the GEMM itself:
-  one to build each `_dq` operand, one for alpha (and bias), one for the cast. The fused kernels
-  of the kernels issue remove the `_dq` materialization.
+  FP32 accumulator, and the result is cast once. On CUDA the quantization kernels write the
+  `_dq` operands in the pass that quantizes, and one Triton kernel runs the GEMM with alpha,
+  bias and the cast applied in registers (kernels/gemm.py; FUSED_GEMM), so the only memory
+  pass beyond the GEMM is each `_dq` operand's write. Elsewhere (CPU) alpha, bias and the
+  cast are PyTorch ops on the FP32 accumulator.
 - `native`: Blackwell tensor cores through `torch.nn.functional.scaled_mm` (gemm/native.py).
   Unverified: see that module.
 - `auto` resolves to native on a device with compute capability >= 10.0 and a PyTorch that
