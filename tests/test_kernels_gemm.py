@@ -13,20 +13,13 @@ import torch
 
 from blockscale.formats import nvfp4
 from blockscale.kernels import gemm
+from tests.test_kernels_misc import AMAXES  # the epilogue kernel's alpha cases
 
 ON_GPU = torch.cuda.is_available()
 DEV = "cuda" if ON_GPU else "cpu"
 # Operands are BF16 on the GPU; the CPU path (and so the interpreter) multiplies FP32 ones.
 OPERAND = torch.bfloat16 if ON_GPU else torch.float32
 SMALL = (32, 64, 32, 4, 4, 2, 1, 0)  # tiles the interpreter runs quickly; edges in every dim
-
-AMAXES = {
-    "no-alpha": None,
-    "alpha": (3.5, 0.0390625),
-    "zero-amax": (0.0, 7.0),
-    "inf-amax": (float("inf"), 2.0),
-    "nan-amax": (1.0, float("nan")),
-}
 
 
 def exact(a, b):
