@@ -3,7 +3,7 @@
 # resolved, one part per call (a call on a lent GPU runs at most 10 minutes). From the
 # repository root on the GPU machine (python3 with torch and triton; no install of blockscale):
 #
-#   scripts/gpu_check.sh tests OUT     every gpu-marked test (pytest -m gpu); log in OUT  (~3 min)
+#   scripts/gpu_check.sh tests OUT     every gpu-marked test (pytest -m gpu); log in OUT  (~4 min)
 #   scripts/gpu_check.sh kernels OUT   check_amax_gpu + bench_quantize; JSON in OUT       (~3 min)
 #   scripts/gpu_check.sh linear OUT    bench_linear + the step breakdown of each recipe    (~4 min)
 #   scripts/gpu_check.sh train OUT     bench_train --compile on small, batch 32: the study's
@@ -13,7 +13,7 @@
 #                                      instead (bf16 always runs first: the ratios are to it)
 #
 # Each part writes OUT/PART.log (and its JSON) and ends with the part's own table; the exit
-# status is the first failing command's. The minutes are estimates: time them the first time.
+# status is the first failing command's (124/137: past STEP_TIMEOUT, 570 s a command).
 set -uo pipefail
 
 PYTHON=${PYTHON:-python3}
@@ -26,8 +26,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 log="$out/$part.log"
 status=0
 step() {
-    "$@" 2>&1 | tee -a "$log"
-    local rc=$?
+    # a hard deadline per command (SIGTERM, then SIGKILL 10 s later): a pytest with Inductor's
+    # compile workers up once ignored a plain timeout and held the call for its full 10 minutes
+    timeout -k 10 "${STEP_TIMEOUT:-570}" "$@" 2>&1 | tee -a "$log"
+    local rc=${PIPESTATUS[0]}
     [ "$status" = 0 ] && status=$rc
     return 0
 }
