@@ -175,29 +175,52 @@ def _emulated_fused(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The kernel path. With FUSED_GEMM, one Triton kernel runs the GEMM and applies the
-    epilogue to the accumulator in registers (layouts TMA cannot read fall back inside the op
-    to cuBLAS + the epilogue kernel). Without, cuBLAS makes the FP32 accumulator,
-    ACC_CHUNK_BYTES of rows at a time, and each chunk goes through the epilogue kernel into its
-    rows of the output, so the FP32 tensor never exists whole (a [16384, 4096] BF16 output
-    would otherwise need 256 MiB beside it)."""
-    from blockscale.kernels import gemm as fused  # noqa: PLC0415
-    from blockscale.kernels import gemm_epilogue  # noqa: PLC0415 (Triton is optional)
+    """The kernel path (CUDA, or Triton's interpreter in tests): `_gemm_into` a new output."""
+    if out_dtype == torch.float32 and not FUSED_GEMM:
+        # the accumulator is the output: scale it in place (no second FP32 tensor)
+        from blockscale.kernels import gemm_epilogue  # noqa: PLC0415 (Triton is optional)
 
-    m, n = a_dq.shape[0], b_dq.shape[0]
-    if FUSED_GEMM:
-        return fused.gemm_fused(a_dq, b_dq, amax, bias, out_dtype=out_dtype, fallback=True)
-    if out_dtype == torch.float32:  # the accumulator is the output: scale it in place
         acc = emulated.mm_fp32_accumulate(a_dq, b_dq)
-        if amax is None and bias is None:
-            return acc
-        return gemm_epilogue(acc, amax, bias, out=acc)
-    out = torch.empty(m, n, dtype=out_dtype, device=a_dq.device)
+        return acc if amax is None and bias is None else gemm_epilogue(acc, amax, bias, out=acc)
+    out = torch.empty(a_dq.shape[0], b_dq.shape[0], dtype=out_dtype, device=a_dq.device)
+    amax_a, amax_b = amax if amax is not None else (None, None)
+    _gemm_into(a_dq, b_dq, amax_a, amax_b, bias, out)
+    return out
+
+
+@_library.library_op("blockscale::emulated_gemm_into", mutates_args=("out",))
+def _gemm_into(
+    a_dq: torch.Tensor,
+    b_dq: torch.Tensor,
+    amax_a: torch.Tensor | None,
+    amax_b: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """out = cast(a_dq @ b_dq.T * alpha + bias). With FUSED_GEMM, where TMA can read the
+    layouts, one Triton kernel applies the epilogue to the accumulator in registers
+    (kernels/gemm.py). Otherwise cuBLAS makes the FP32 accumulator, ACC_CHUNK_BYTES of rows at
+    a time, and each chunk goes through the epilogue kernel into its rows of the output, so the
+    FP32 tensor never exists whole (a [16384, 4096] BF16 output would otherwise need 256 MiB
+    beside it). An op so that the choice, which reads data pointers, is made on real tensors
+    (under torch.compile too)."""
+    from blockscale.kernels import gemm as fused  # noqa: PLC0415 (Triton is optional)
+    from blockscale.kernels import gemm_epilogue  # noqa: PLC0415
+
+    amax = None if amax_a is None else (amax_a, amax_b)
+    if FUSED_GEMM and fused.supported(a_dq, b_dq, out):
+        fused.gemm_fused(a_dq, b_dq, amax, bias, out=out)
+        return
+    m, n = out.shape
     rows = m if ACC_CHUNK_BYTES <= 0 else max(128, ACC_CHUNK_BYTES // (4 * max(n, 1)) // 128 * 128)
     for r0 in range(0, m, rows):
         acc = emulated.mm_fp32_accumulate(a_dq[r0 : r0 + rows], b_dq)
         gemm_epilogue(acc, amax, bias, out=out[r0 : r0 + rows])
-    return out
+
+
+@_gemm_into.op.register_fake
+def _(a_dq, b_dq, amax_a, amax_b, bias, out) -> None:
+    return None
 
 
 def _native(

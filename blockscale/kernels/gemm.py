@@ -12,8 +12,8 @@ emulated GEMM leaves unspecified (NUMERICS.md, "GEMMs"); the epilogue's rounding
 Layouts: `a` K-major ([M, K], unit stride along K); `b` either K-major ([N, K]) or N-major (a
 [N, K] view of a [K, N] tensor with unit stride along N, e.g. the transposed 16x16 weight of
 dgrad), read through a TMA descriptor of whichever layout it has. TMA needs 16-byte aligned
-bases and row strides: `supported()` says whether a call qualifies, and the dispatch falls back
-to cuBLAS + epilogue when it does not.
+bases and row strides: `supported()` says whether a call qualifies (gemm/dispatch.py runs
+cuBLAS + the epilogue kernel when it does not).
 
 Persistent: one program per SM walks the output tiles (grouped along M for L2 reuse); the tile
 loop and the K loop are flattened so the next tile's loads overlap this tile's epilogue.
@@ -29,9 +29,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from blockscale._library import library_op
-from blockscale.gemm.emulated import mm_fp32_accumulate
 from blockscale.kernels._common import bf16_bits, cdiv, interpreting, round_to_bf16
-from blockscale.kernels.epilogue import _decode_scale, _mul_rn, gemm_epilogue
+from blockscale.kernels.epilogue import _decode_scale, _mul_rn
 
 # (BM, BN, BK, GROUP_M, num_warps, num_stages, flatten, warp_specialize); `config_for` picks
 # one per call. benchmarks/bench_gemm.py measures the choices (docs/KERNELS.md).
@@ -189,22 +188,12 @@ def _gemm_fused(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     config: list[int],
-    fallback: bool,
 ) -> None:
-    if not supported(a, b, out):
-        if not fallback:
-            raise ValueError(
-                "gemm_fused needs 16-byte aligned TMA layouts: a K-major, b K- or N-major, out "
-                f"with unit column stride; got strides {a.stride()}, {b.stride()}, {out.stride()}"
-            )
-        # cuBLAS (FP32 out) and the epilogue kernel: the same roundings, one more pass
-        acc = mm_fp32_accumulate(a, b)
-        amax = None if amax_a is None else (amax_a, amax_b)
-        if out.stride(1) == 1:
-            gemm_epilogue(acc, amax, bias, out=out)
-        else:
-            out.copy_(gemm_epilogue(acc, amax, bias, out_dtype=out.dtype))
-        return
+    if not supported(a, b, out):  # (data pointers: checked here, where tensors are real)
+        raise ValueError(
+            "gemm_fused needs 16-byte aligned TMA layouts: a K-major, b K- or N-major, out "
+            f"with unit column stride; got strides {a.stride()}, {b.stride()}, {out.stride()}"
+        )
     M, K = a.shape
     N = b.shape[0]
     bm, bn, bk, group_m, warps, stages, flatten, ws = config
@@ -234,7 +223,7 @@ def _gemm_fused(
 
 
 @_gemm_fused.op.register_fake
-def _(a, b, amax_a, amax_b, bias, out, config, fallback) -> None:
+def _(a, b, amax_a, amax_b, bias, out, config) -> None:
     return None
 
 
@@ -246,15 +235,13 @@ def gemm_fused(
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     config: tuple[int, ...] | None = None,
-    fallback: bool = False,
 ) -> torch.Tensor:
     """cast(a @ b.T * alpha + bias) for BF16 a [M, K] (K-major) and b [N, K] (K- or N-major
     view), alpha = S_dec_a * S_dec_b from `amax` (the two NVFP4 tensor amaxes; None: 1), an
     optional FP32 bias [N], into `out` (a [M, N] BF16/FP32 tensor with unit column stride, e.g.
     a row slice of a larger output) or a new `out_dtype` tensor. `config`: the tiles (8 ints,
     see DEFAULT_CONFIG; None: `config_for` the shape). Layouts TMA cannot read (`supported`)
-    raise ValueError, or with `fallback` run cuBLAS (FP32 out) and the epilogue kernel (the
-    check reads data pointers, so it is made inside the op, at run time)."""
+    raise ValueError (when the op runs: the check reads data pointers)."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"need a [M, K] and b [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.dtype not in OPERAND_DTYPES or b.dtype != a.dtype:
@@ -279,5 +266,5 @@ def gemm_fused(
         if bias.shape != (b.shape[0],):
             raise ValueError(f"bias must be [{b.shape[0]}], got {tuple(bias.shape)}")
         bias = bias.to(device=a.device, dtype=torch.float32).contiguous()
-    _gemm_fused(a, b, amax_a, amax_b, bias, out, list(config), fallback)
+    _gemm_fused(a, b, amax_a, amax_b, bias, out, list(config))
     return out
