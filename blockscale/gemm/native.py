@@ -1,6 +1,9 @@
 """Native block-scaled GEMMs on Blackwell (compute capability >= 10.0) through
 `torch.nn.functional.scaled_mm`.
 
+Grouped GEMMs (`scaled_grouped_mm`, `grouped_supported`) are in gemm/native_grouped.py and
+re-exported here.
+
 STATUS: UNVERIFIED. No Blackwell GPU has run this file yet. Everything up to the final call is
 tested on the CPU (tests/test_native_layout.py): the arguments built here, read back through
 the documented semantics of scaled_mm (codes times unswizzled block scales times the tensor
@@ -34,6 +37,13 @@ import torch.nn.functional as F
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.formats.swizzle import to_blocked
+
+# The grouped (mixture-of-experts) GEMMs live in their own module; dispatch reaches them here.
+from blockscale.gemm.native_grouped import (  # noqa: F401 (re-exported)
+    check_grouped_supported,
+    grouped_supported,
+    scaled_grouped_mm,
+)
 
 MIN_CAPABILITY = (10, 0)
 
