@@ -71,6 +71,11 @@ What PyTorch accepts, as read in its source (facts; the file and commit named ea
    10.x. `_scaled_grouped_mm_v2` has no meta kernel in 2.13 (calling it on meta tensors
    raises), so this module registers its call as a custom op with a fake implementation,
    which torch.compile can trace.
+10. Not covered: pytorch main after 2.13 adds a cuBLASLt grouped path (CUDA >= 13.4, taken
+   for MXFP8 only when `preferCublasltGroupedGemm` is set, for NVFP4 only with one global
+   scale per operand, never with our per-group ones); its jagged scale layout was not
+   checked here (aten/src/ATen/native/cuda/GroupedBlas.cpp on main,
+   `should_use_cublaslt_scaled_grouped_gemm`).
 """
 
 from __future__ import annotations
@@ -107,7 +112,7 @@ def grouped_unsupported_reason(device: torch.device) -> str | None:
     if not torch_supports_grouped():
         return (
             f"torch {torch.__version__} lacks torch.nn.functional.scaled_grouped_mm "
-            "(added in PyTorch 2.10) or the float4_e2m1fn_x2 / float8_e8m0fnu dtypes"
+            "(present in PyTorch 2.13) or the float4_e2m1fn_x2 / float8_e8m0fnu dtypes"
         )
     if device.type != "cuda" or not torch.cuda.is_available():
         return f"the native grouped GEMM needs a CUDA device, got {device}"
