@@ -19,7 +19,7 @@ Names of submodules are stable (`layers.{i}.attn.wqkv`, `layers.{i}.mlp.w2`, `lm
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -52,20 +52,14 @@ class ModelConfig:
         return self.n_layers * per_block + self.vocab_size * self.dim + head + self.dim
 
 
-# Named sizes. Byte-level vocabulary (256), so nearly every parameter sits in the blocks.
-SIZES: dict[str, ModelConfig] = {
+# Named sizes (blockscale.models.SIZES adds the MoE ones). Byte-level vocabulary (256), so
+# nearly every parameter sits in the blocks.
+DENSE_SIZES: dict[str, ModelConfig] = {
     "tiny": ModelConfig(dim=64, n_layers=2, n_heads=4, ffn_dim=192, seq_len=128),
     "small": ModelConfig(dim=640, n_layers=10, n_heads=10, ffn_dim=1792, seq_len=1024),
     "base": ModelConfig(dim=768, n_layers=18, n_heads=12, ffn_dim=2048, seq_len=1024),
     "1b": ModelConfig(dim=2048, n_layers=20, n_heads=16, ffn_dim=5632, seq_len=2048),
 }
-
-
-def model_config(name: str, **overrides) -> ModelConfig:
-    """The named size, with fields replaced by `overrides` (e.g. `seq_len=256`)."""
-    if name not in SIZES:
-        raise ValueError(f"model size {name!r} does not exist; choose one of {', '.join(SIZES)}")
-    return replace(SIZES[name], **overrides)
 
 
 def rotary_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,10 +103,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
-        self.w13 = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w13 = nn.Linear(dim, 2 * hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -125,7 +119,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -133,11 +127,16 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    # What a subclass varies (models/moe.py): the block, and which parameters write into the
+    # residual stream (initialized with a depth-scaled std).
+    block_type: type[nn.Module] = Block
+    residual_outputs: tuple[str, ...] = ("wo.weight", "w2.weight")
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(self.block_type(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -154,7 +153,7 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith(("wo.weight", "w2.weight")):
+            elif name.endswith(self.residual_outputs):
                 p.normal_(0.0, residual_std)
             else:
                 p.normal_(0.0, 0.02)
