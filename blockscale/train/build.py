@@ -17,8 +17,8 @@ import torch
 
 import blockscale.nn as bsnn
 import blockscale.recipes as recipes
-from blockscale.models import SIZES, Transformer, model_config
-from blockscale.models.llama import ModelConfig
+from blockscale import models
+from blockscale.models import SIZES, ModelConfig, MoEConfig, Transformer, model_config
 from blockscale.train.config import TrainConfig
 from blockscale.train.errors import UsageError
 
@@ -75,15 +75,24 @@ def _available_bytes(device: torch.device) -> int:
     return 2**62  # unknown: do not refuse
 
 
+def _mlp_values_per_token(mcfg: ModelConfig) -> int:
+    """Activation values one layer's MLP keeps per token: about 6 per hidden dimension; an MoE
+    layer keeps that for each of its top_k experts and the shared one, plus the token's k
+    sorted copies and k expert outputs (4 per model dimension and assignment)."""
+    if isinstance(mcfg, MoEConfig):
+        routed = mcfg.top_k * (6 * mcfg.ffn_dim + 4 * mcfg.dim)
+        return routed + 6 * mcfg.shared_ffn_dim
+    return 6 * mcfg.ffn_dim
+
+
 def estimate_bytes(mcfg: ModelConfig, cfg: TrainConfig, device: torch.device) -> int:
     """A rough lower bound: FP32 weights, grads and two AdamW moments (16 bytes a parameter),
     plus the activations autograd keeps for one micro-batch (about 16 values per model
-    dimension and 6 per MLP dimension per token and layer, and the logits)."""
+    dimension and what the MLP keeps, per token and layer, and the logits)."""
     act_bytes = 2 if device.type == "cuda" else 4
     tokens = cfg.batch_size * mcfg.seq_len
-    acts = tokens * (
-        mcfg.n_layers * (16 * mcfg.dim + 6 * mcfg.ffn_dim) * act_bytes + 3 * 4 * mcfg.vocab_size
-    )
+    per_layer = 16 * mcfg.dim + _mlp_values_per_token(mcfg)
+    acts = tokens * (mcfg.n_layers * per_layer * act_bytes + 3 * 4 * mcfg.vocab_size)
     return 16 * mcfg.num_params() + acts
 
 
@@ -102,9 +111,14 @@ def build_model(cfg: TrainConfig, device: torch.device) -> tuple[Transformer, re
     not converted: the baseline is plain `nn.Linear`)."""
     mcfg = build_model_config(cfg)
     recipe = build_recipe(cfg)
+    if cfg.compile and isinstance(mcfg, MoEConfig) and device.type != "cuda":
+        raise UsageError(
+            f"--compile with model {cfg.model!r} needs a CUDA device, not {device}: compiled "
+            "F.grouped_mm takes BF16 operands only, and on the CPU the experts run in FP32"
+        )
     check_memory(mcfg, cfg, device)
     torch.manual_seed(cfg.seed)
-    model = Transformer(mcfg).to(device)
+    model = models.build_model(mcfg).to(device)
     if recipe.quantized:
         policy = bsnn.layer_policy(model, bf16_tail_fraction=cfg.bf16_tail)
         bsnn.convert(model, recipe, module_filter_fn=policy)

@@ -23,7 +23,7 @@ def _f(default, help: str):
 @dataclass
 class TrainConfig:
     # What is trained, on what.
-    model: str = _f("tiny", "model size: tiny, small, base, 1b")
+    model: str = _f("tiny", "model size: tiny, small, base, 1b, moe-tiny, moe-small")
     seq_len: int = _f(0, "sequence length in bytes (0: the model size's own)")
     recipe: str = _f("bf16", "precision recipe: bf16, nvfp4, mxfp8, nvfp4_fwd_mxfp8_bwd")
     hadamard: bool | None = _f(
@@ -50,6 +50,7 @@ class TrainConfig:
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: off)")
+    aux_loss_coef: float = _f(0.01, "MoE models: weight of the load-balancing loss in the loss")
     seed: int = _f(0, "seed for initialization, data order and stochastic rounding")
     # Bookkeeping.
     log_every: int = _f(10, "write a training-loss row every N steps")
@@ -73,6 +74,8 @@ class TrainConfig:
         for name in ("bf16_tail", "bf16_final_fraction", "decay_fraction", "min_lr_ratio"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise UsageError(f"{name}={getattr(self, name)} must lie in [0, 1]")
+        if self.aux_loss_coef < 0:
+            raise UsageError(f"aux_loss_coef={self.aux_loss_coef} must be at least 0")
 
     def recipe_switches(self) -> dict[str, bool]:
         names = ("hadamard", "stochastic_rounding", "weight_2d")

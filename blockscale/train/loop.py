@@ -6,9 +6,17 @@ and, once the loop stops, `summary.json`. Metric rows carry a `kind`:
 - `train`: `loss` (mean over the steps since the previous row), `lr`, `grad_norm`, `tokens`,
   `tokens_per_s` (training time only: evaluation, telemetry and checkpoints excluded), `time`
   (wall clock when the row was written, Unix seconds: the report uses it to tell which runs
-  trained on the same device at the same time, whose speeds do not compare);
+  trained on the same device at the same time, whose speeds do not compare); an MoE model's
+  rows add `aux_loss` (the load-balancing loss, mean over the same steps, before its
+  coefficient) and `expert_tokens` ({MoE layer: token-expert assignments per expert, summed
+  over the same steps});
 - `eval`: `val_loss`, `val_bpb` on the held-out split;
-- `telemetry`: per converted layer and operand, `sqnr_db`, `zero_frac`, `amax` (telemetry.py).
+- `telemetry`: per converted layer and operand, `sqnr_db`, `zero_frac`, `amax`, and for
+  grouped experts the same per expert (telemetry.py).
+
+`loss` is always the cross entropy alone, so an MoE run's loss compares with a dense run's; the
+gradient is that of cross entropy + `aux_loss_coef` * aux_loss. Reading the router's counts
+costs no synchronization: they are summed on the device and read when a row is written.
 
 Every row carries `step`, the number of optimizer steps completed. All rows of a step are
 written before that step's checkpoint, so resuming from the checkpoint at step s first drops the
@@ -33,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import blockscale.nn as bsnn
+from blockscale.models import moe_layers
 from blockscale.ops import EXACT_INDUCTOR_OPTIONS
 from blockscale.train import build, checkpoint, telemetry
 from blockscale.train.config import TrainConfig
@@ -134,8 +143,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
         if cfg.telemetry_every and recipe.quantized:
             x, y = batches.get(step, 0)
             memory.restart()
-            layers = telemetry.probe(model, x.to(device), y.to(device), autocast)
-            row = {"kind": "telemetry", "step": step, "layers": layers}
+            found = telemetry.probe(model, x.to(device), y.to(device), autocast, cfg.aux_loss_coef)
+            row = {"kind": "telemetry", "step": step, **found}
             if memory.enabled:  # the probe runs eagerly, off the training path
                 row["peak_gib"] = memory.since_restart()
             metrics.write(row)
@@ -161,6 +170,23 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     # writes the same mean loss in its next row as an uninterrupted one.
     loss_sum = torch.tensor(partial["loss_sum"], device=device)
     loss_steps, timed_steps = partial["loss_steps"], 0
+    # An MoE model's load-balancing loss and tokens per expert, summed like the loss.
+    routed = moe_layers(model)
+    aux_sum = torch.tensor(partial.get("aux_sum", 0.0), device=device)
+    n_experts = getattr(model.config, "n_experts", 0)
+    expert_tokens = torch.tensor(
+        partial.get("expert_tokens", [[0] * n_experts] * len(routed)),
+        dtype=torch.int64,
+        device=device,
+    )
+
+    def carried() -> dict:
+        """What a checkpoint carries over to the next metrics row."""
+        sums = {"loss_sum": loss_sum.item(), "loss_steps": loss_steps}
+        if routed:
+            sums.update(aux_sum=aux_sum.item(), expert_tokens=expert_tokens.tolist())
+        return sums
+
     clock, excluded = time.perf_counter(), 0.0
     try:
         with _StopRequest() as stop:
@@ -175,11 +201,15 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                     with autocast():
                         logits = step_model(x)
-                    loss = (
-                        F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / cfg.grad_accum
-                    )
+                    ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / cfg.grad_accum
+                    loss = ce
+                    if routed:
+                        aux = model.aux_loss / cfg.grad_accum
+                        loss = ce + cfg.aux_loss_coef * aux
+                        aux_sum += aux.detach()
+                        expert_tokens += torch.stack([m.tokens_per_expert for m in routed.values()])
                     loss.backward()
-                    loss_sum += loss.detach()
+                    loss_sum += ce.detach()
                 clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 optimizer.step()
@@ -207,6 +237,11 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                     }
                     if memory.enabled:
                         row["peak_gib"] = memory.training()
+                    if routed:
+                        row["aux_loss"] = (aux_sum / loss_steps).item()
+                        row["expert_tokens"] = dict(zip(routed, expert_tokens.tolist()))
+                        aux_sum.zero_()
+                        expert_tokens.zero_()
                     metrics.write(row)
                     if bar is not None:
                         bar.set_postfix(
@@ -248,7 +283,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                         done,
                         model,
                         optimizer,
-                        {"loss_sum": loss_sum.item(), "loss_steps": loss_steps},
+                        carried(),
                         cfg.keep_checkpoints,
                     )
                 memory.restart()  # the next steps' peak starts here

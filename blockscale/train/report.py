@@ -4,7 +4,9 @@ From the runs in `OUT/runs/*` (their `config.json`, `summary.json`, `metrics.jso
 
 - `report.md`: the table (final held-out loss, relative gap to BF16, bits per byte, tokens/s,
   speed relative to BF16, peak GPU memory), the plots, and the numerics telemetry: for each
-  quantized run, the layer/operand pairs with the lowest SQNR;
+  quantized run, the layer/operand pairs with the lowest SQNR; for an MoE model, how its
+  routers spread tokens over experts (and the load-balancing loss), and the quantized experts
+  with the lowest SQNR;
 - `loss_curves.png`: training and held-out loss over steps;
 - `gap_to_bf16.png`: (loss - loss_bf16) / loss_bf16 over steps, held-out and training loss;
 - `telemetry_NAME.png`: per run, one heatmap per quantized operand, layer x step, of the SQNR;
@@ -272,6 +274,115 @@ def worst_operands(run: dict, count: int = 5) -> list[list[str]]:
     return lines
 
 
+def expert_load(run: dict) -> list[list[str]]:
+    """Per MoE layer: each expert's share of the run's token-expert assignments, the busiest
+    expert's share over the mean share (1.00 = balanced; E = all tokens on one expert) for
+    the whole run and for its last logging interval."""
+    rows = [r for r in run["rows"] if r["kind"] == "train" and "expert_tokens" in r]
+    if not rows:
+        return []
+    lines = []
+    for layer in rows[-1]["expert_tokens"]:
+        total = [sum(col) for col in zip(*(r["expert_tokens"][layer] for r in rows))]
+        last = rows[-1]["expert_tokens"][layer]
+        lines.append(
+            [
+                layer,
+                " ".join(f"{100 * t / max(sum(total), 1):.1f}" for t in total),
+                f"{_imbalance(total):.2f}",
+                f"{_imbalance(last):.2f}",
+            ]
+        )
+    return lines
+
+
+def _imbalance(tokens: list[int]) -> float:
+    return max(tokens) * len(tokens) / max(sum(tokens), 1)
+
+
+def worst_experts(run: dict, count: int = 5) -> list[list[str]]:
+    """The (layer, operand, expert) triples of lowest mean SQNR over the probes, with their
+    zero fraction and the tokens the expert got in the probes."""
+    rows = [r for r in run["rows"] if r["kind"] == "telemetry" and r.get("experts")]
+    acc: dict[tuple[str, str, int], list[tuple[float, float, int]]] = {}
+    for row in rows:
+        for layer, entry in row["experts"].items():
+            for operand, stats in entry.items():
+                if operand == "tokens":
+                    continue
+                for e, (sqnr, zero) in enumerate(zip(stats["sqnr_db"], stats["zero_frac"])):
+                    if sqnr is not None:
+                        acc.setdefault((layer, operand, e), []).append(
+                            (sqnr, zero, entry["tokens"][e])
+                        )
+    ranked = sorted(acc.items(), key=lambda kv: statistics.fmean(s for s, _, _ in kv[1]))
+    return [
+        [
+            layer,
+            operand,
+            str(e),
+            f"{statistics.fmean(s for s, _, _ in seen):.1f}",
+            f"{min(s for s, _, _ in seen):.1f}",
+            f"{100 * statistics.fmean(z for _, z, _ in seen):.2f}%",
+            f"{statistics.fmean(t for _, _, t in seen):,.0f}",
+        ]
+        for (layer, operand, e), seen in ranked[:count]
+    ]
+
+
+def _moe_section(runs: list[dict]) -> list[str]:
+    lines = []
+    for run in runs:
+        load = expert_load(run)
+        if not load:
+            continue
+        aux = [r["aux_loss"] for r in run["rows"] if r["kind"] == "train" and "aux_loss" in r]
+        lines += [
+            f"### {run['name']}",
+            "",
+            f"Load-balancing loss: {aux[0]:.4f} in the first logged interval, {aux[-1]:.4f} in "
+            "the last (1 = uniform routing).",
+            "",
+            _markdown_table(
+                ["MoE layer", "tokens per expert (% of assignments)", "max/mean", "max/mean, last"],
+                load,
+            ),
+            "",
+        ]
+        worst = worst_experts(run)
+        if worst:
+            lines += [
+                _markdown_table(
+                    [
+                        "layer",
+                        "operand",
+                        "expert",
+                        "mean SQNR dB",
+                        "min SQNR dB",
+                        "zero fraction",
+                        "tokens (probe)",
+                    ],
+                    worst,
+                ),
+                "",
+            ]
+    if not lines:
+        return []
+    return [
+        "## Mixture of experts: routing and the experts' numerics",
+        "",
+        "Tokens per expert: each expert's share of the token-expert assignments over the whole "
+        "run (top-k routing gives each token k). Max/mean: the busiest expert's share over the "
+        "mean share, for the whole run and for its last logging interval (1.00 = balanced, E = "
+        "every token on one expert). The second table, for quantized runs: the experts whose "
+        "quantized operands have the lowest mean SQNR in the telemetry probes (each expert is "
+        "quantized with its own scale), with the tokens they got in the probe's batch: an "
+        "expert that gets few tokens has few values to set its activation scales from.",
+        "",
+        *lines,
+    ]
+
+
 def plot(out: Path, runs: list[dict]) -> list[tuple[str, str]]:
     """Write the PNGs; returns (caption, file name) pairs."""
     import matplotlib
@@ -445,6 +556,7 @@ def write_report(out: Path, names: list[str]) -> Path:
             "",
         ]
         lines += [f"![telemetry {run['name']}](telemetry_{run['name']}.png)", ""] if plots else []
+    lines += _moe_section(runs)
     lines += ["## Runs", ""]
     for run in runs:
         differs = {k: v for k, v in run["config"].items() if v != cfg.get(k)}
