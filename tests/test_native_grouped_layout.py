@@ -508,6 +508,25 @@ def test_fake_implementation_gives_the_output_shape():
     assert out.shape == (2, 48, 32)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_entry_point_end_to_end_with_the_kernel_simulated(monkeypatch, compiled):
+    """native.scaled_grouped_mm through its op, with F.scaled_grouped_mm replaced by the CPU
+    simulation above (BF16 out, garbage where the kernel writes nothing): the output is the
+    per-group product rounded once to BF16, zeros outside the groups. Compiled, Dynamo traces
+    the op through its fake implementation and runs the real one."""
+
+    def kernel(**args):
+        return simulate_grouped_mm(args).to(torch.bfloat16)
+
+    monkeypatch.setattr(F, "scaled_grouped_mm", kernel)
+    monkeypatch.setattr(ng, "check_grouped_supported", lambda device: None)
+    entry = torch.compile(native.scaled_grouped_mm, backend="eager", fullgraph=True) if compiled else native.scaled_grouped_mm  # fmt: skip
+    for case in (rows_case("nvfp4", [0, 44, 117, 0], 9, 64, 32), tokens_case("mxfp8", [5, 0, 70], 32, 16)):  # fmt: skip
+        out = entry(*case.operands())
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, reference_grouped_mm(case).to(torch.bfloat16))
+
+
 def test_support_checks_and_input_errors_on_cpu():
     cpu = torch.device("cpu")
     assert ng.torch_supports_grouped()

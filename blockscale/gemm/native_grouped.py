@@ -329,5 +329,6 @@ def scaled_grouped_mm(
             f"the native grouped GEMM writes BF16 only (MSLK/FBGEMM kernels), got "
             f"out_dtype={out_dtype}; use the emulated backend for other output dtypes"
         )
-    check_grouped_supported(a_data.device)
+    if not torch.compiler.is_compiling():  # (host-side; the dispatch resolved the backend)
+        check_grouped_supported(a_data.device)
     return _scaled_grouped_mm(a_data, a_scale, b_data, b_scale, offs, a_amax, b_amax)
