@@ -229,7 +229,7 @@ def grouped_mm_args(
 ) -> dict[str, Any]:
     """Keyword arguments of F.scaled_grouped_mm (all of them) for the grouped product; see
     the module docstring for the operands. No host synchronization."""
-    fmt, k, experts = _check(a_data, a_scale, b_data, b_scale, offs, a_amax, b_amax)
+    fmt, k, _ = _check(a_data, a_scale, b_data, b_scale, offs, a_amax, b_amax)
     row_groups, col_groups, per_expert = _swizzle_impl(a_scale)
     block = nvfp4.BLOCK if fmt == "nvfp4" else mxfp8.BLOCK
     if b_data.dim() == 3:
