@@ -9,6 +9,15 @@ the CPU tests): `available(x)` says which.
 from blockscale.kernels._common import available
 from blockscale.kernels.amax import amax, amax_fused, amax_hadamard_t
 from blockscale.kernels.epilogue import gemm_epilogue
+from blockscale.kernels.grouped import (
+    group_amax,
+    mxfp8_quantize_experts,
+    mxfp8_quantize_grouped,
+    nvfp4_quantize_experts,
+    nvfp4_quantize_experts_t,
+    nvfp4_quantize_grouped,
+)
+from blockscale.kernels.grouped_gemm import grouped_gemm_rows, grouped_gemm_tokens
 from blockscale.kernels.mxfp8 import mxfp8_dequantize_dq, mxfp8_quantize, mxfp8_quantize_both
 from blockscale.kernels.nvfp4 import nvfp4_dequantize_dq, nvfp4_quantize, nvfp4_quantize_both
 from blockscale.kernels.swizzle import swizzle_scales
@@ -20,6 +29,14 @@ __all__ = [
     "amax_fused",
     "amax_hadamard_t",
     "gemm_epilogue",
+    "group_amax",
+    "grouped_gemm_rows",
+    "grouped_gemm_tokens",
+    "mxfp8_quantize_experts",
+    "mxfp8_quantize_grouped",
+    "nvfp4_quantize_experts",
+    "nvfp4_quantize_experts_t",
+    "nvfp4_quantize_grouped",
     "nvfp4_quantize",
     "nvfp4_quantize_both",
     "nvfp4_dequantize_dq",

@@ -76,14 +76,24 @@ def _store_mx(
     R: tl.constexpr, C: tl.constexpr, DQ: tl.constexpr,
 ):  # fmt: skip
     rows = r0 + tl.arange(0, R)
+    store_mx_rows(byte, ecode, dq, data_ptr, scale_ptr, dq_ptr, rows, rows < n_rows, c0, n_cols,
+                  C, DQ)  # fmt: skip
+
+
+@triton.jit
+def store_mx_rows(
+    byte, ecode, dq, data_ptr, scale_ptr, dq_ptr, rows, rmask, c0, n_cols,
+    C: tl.constexpr, DQ: tl.constexpr,
+):  # fmt: skip
+    """Store an MXFP8 tile's rows at the row indices `rows` (where `rmask`)."""
     cols = c0 + tl.arange(0, C)
-    m = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    m = rmask[:, None] & (cols < n_cols)[None, :]
     tl.store(data_ptr + rows[:, None] * n_cols + cols[None, :], byte, mask=m)
     sc = c0 // 32 + tl.arange(0, C // 32)
     tl.store(
         scale_ptr + rows[:, None] * (n_cols // 32) + sc[None, :],
         ecode,
-        mask=(rows < n_rows)[:, None] & (sc < n_cols // 32)[None, :],
+        mask=rmask[:, None] & (sc < n_cols // 32)[None, :],
     )
     if DQ:
         tl.store(dq_ptr + rows[:, None] * n_cols + cols[None, :], bf16_bits(dq), mask=m)

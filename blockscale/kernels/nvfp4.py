@@ -129,7 +129,18 @@ def _store_quantized(
 ):  # fmt: skip
     """Store one quantized [R, C] tile at (r0, c0) of an [n_rows, n_cols] logical tensor."""
     rows = r0 + tl.arange(0, R)
-    rmask = rows < n_rows
+    store_rows(
+        packed, scode, dq, data_ptr, scale_ptr, dq_ptr, rows, rows < n_rows, c0, n_cols, C, DQ
+    )
+
+
+@triton.jit
+def store_rows(
+    packed, scode, dq, data_ptr, scale_ptr, dq_ptr, rows, rmask, c0, n_cols,
+    C: tl.constexpr, DQ: tl.constexpr,
+):  # fmt: skip
+    """Store a quantized tile's rows at the row indices `rows` (where `rmask`), columns
+    c0:c0+C of an n_cols-wide tensor (the grouped kernels scatter rows this way)."""
     half = c0 // 2 + tl.arange(0, C // 2)
     tl.store(
         data_ptr + rows[:, None] * (n_cols // 2) + half[None, :],

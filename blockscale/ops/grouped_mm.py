@@ -1,19 +1,79 @@
 """`grouped_mm(input, weight_t, offs, recipe)`: a mixture-of-experts grouped GEMM whose three
-GEMMs follow a recipe, a drop-in for `torch._grouped_mm` / `F.grouped_mm`.
+GEMMs follow a recipe, a drop-in for `torch._grouped_mm` / `F.grouped_mm` (2-D input, 3-D
+weights).
 
-(Work in progress: the per-group kernels replace the loop below; the contract is final.)
+input [M, K] holds the tokens of E experts, sorted by expert: expert e owns rows
+offs[e-1]:offs[e] (offs int32 on the input's device, cumulative). weight_t [E, K, N] is usually
+the transposed view of [E, N, K] expert weights. The numerics are exactly those of a loop of
+per-expert `blockscale.linear` calls with the same recipe: every quantization is per expert
+(each expert's activations and weight get their own NVFP4 tensor amax), and the three GEMMs are
+
+```
+output      [M, N]    rows of e:  input_e       @ weight_e.T    (2-D x 3-D, groups along M)
+grad_input  [M, K]    rows of e:  grad_output_e @ weight_e      (2-D x 3-D, groups along M)
+grad_weight [E, N, K]      e:     grad_output_e.T @ input_e     (2-D x 2-D, groups along the
+                                                                  contraction: the tokens)
+```
+
+Operands and what is saved for backward follow `linear` (ops/linear.py) operand by operand:
+the input's row copy feeds the forward GEMM and its token copy (Hadamard, for grad_weight) is
+saved packed; the 16x16 expert weights serve forward and grad_input (TransposedExperts), a
+1x16 or MXFP8 recipe saves a second copy quantized along N; grad_output's two copies are made
+in the backward. Nothing in high precision is kept.
+
+Group sizes: any, 0 included. No size has to be a multiple of 16, 32 or 128: the token copies
+put each expert in a segment of its own padded with zero tokens (formats/grouped.py), exactly
+as `linear` pads a token count, and the row copies need no padding at all. Rows past offs[-1]
+(PyTorch's contract allows offs[-1] < M, which transformers uses for expert parallelism) give
+zero output rows and get zero gradient.
+
+No host synchronization on CUDA: the group layout, the per-group amaxes, the quantizations and
+the GEMMs all read the offsets on the device, each in one launch for all groups. On the CPU the
+reference loops over the groups with the offsets on the host. So `offs` is checked on the host
+for its dtype and shape; its values are checked on the host on the CPU, and on CUDA by a
+device-side assertion (`torch._assert_async`), which raises at the next synchronization rather
+than at the call.
+
+A recipe that quantizes nothing is exactly `torch._grouped_mm` (whose rows past offs[-1] are
+left unspecified by PyTorch). Dtypes follow `linear`: the output has the autocast dtype when
+autocast is on (else the input's, or `out_dtype`), grad_input the input's, grad_weight the
+weight's.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from blockscale.ops.linear import linear
+from blockscale.formats.grouped import TokenLayout, token_layout
+from blockscale.gemm.dispatch import Backend, resolve_backend
+from blockscale.gemm.grouped import TransposedExperts, grouped_mm_rows, grouped_mm_tokens
+from blockscale.ops.linear import output_dtype
+from blockscale.ops.linear import unsupported_reason as linear_unsupported_reason
+from blockscale.ops.quantize import (
+    load_operand,
+    quantize_experts,
+    quantize_grouped,
+    save_operand,
+)
 from blockscale.recipes import Recipe
 
 
+def unsupported_reason(k: int, n: int, recipe: Recipe) -> str | None:
+    """Why experts with weights [E, N, K] cannot run `recipe`, or None if they can."""
+    reason = linear_unsupported_reason(k, n, recipe)
+    if reason is not None:
+        return reason
+    ops = [op for _, op in recipe.operands()]
+    if any(not op.quantized for op in ops):
+        return "a grouped GEMM needs every operand quantized (or none: the bf16 recipe)"
+    return None
+
+
 def check_grouped_inputs(input: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor) -> None:
-    """Raise ValueError/TypeError naming the rule when the operands do not fit together."""
+    """Raise naming the rule when the operands do not fit together (shapes, dtypes, devices;
+    the offsets' values on the CPU, by a device-side assertion on CUDA)."""
     if not isinstance(offs, torch.Tensor):
         raise TypeError(f"offs must be a torch.Tensor of int32, got {type(offs).__name__}")
     if input.dim() != 2 or weight_t.dim() != 3 or input.shape[1] != weight_t.shape[1]:
@@ -28,8 +88,93 @@ def check_grouped_inputs(input: torch.Tensor, weight_t: torch.Tensor, offs: torc
             f"offs must be 1-D with one end row per expert ({weight_t.shape[0]}), "
             f"got shape {tuple(offs.shape)}"
         )
-    if offs.device != input.device:
-        raise ValueError(f"offs is on {offs.device} but input is on {input.device}")
+    if offs.device != input.device or weight_t.device != input.device:
+        raise ValueError(
+            f"input, weight_t and offs must share a device, got {input.device}, "
+            f"{weight_t.device} and {offs.device}"
+        )
+    if offs.shape[0] == 0:
+        return
+    m = input.shape[0]
+    if offs.device.type == "cpu" and not torch.compiler.is_compiling():
+        ends = offs.tolist()
+        bad = [i for i in range(1, len(ends)) if ends[i] < ends[i - 1]]
+        if bad:
+            i = bad[0]
+            raise ValueError(
+                f"offs must not decrease: offs[{i - 1}]={ends[i - 1]} > offs[{i}]={ends[i]}"
+            )
+        if ends[0] < 0 or ends[-1] > m:
+            raise ValueError(f"offs must lie in [0, M={m}], got {ends[0]}..{ends[-1]}")
+        return
+    ok = (offs[0] >= 0) & (offs[-1] <= m) & (torch.diff(offs) >= 0).all()
+    torch._assert_async(ok, f"grouped_mm: offs must be non-decreasing and lie in [0, M={m}]")
+
+
+class _GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        input: torch.Tensor,
+        weight_t: torch.Tensor,
+        offs: torch.Tensor,
+        recipe: Recipe,
+        backend: Backend,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        weight = weight_t.transpose(-2, -1)  # [E, N, K], usually the parameter itself
+        layout = token_layout(offs, input.shape[0])
+        with torch.autocast(input.device.type, enabled=False):
+            wgrad_cfg = recipe.grad_weight.input_t if ctx.needs_input_grad[1] else None
+            x_lp, x_t = quantize_grouped(input, offs, layout, recipe.output.input, wgrad_cfg)
+            w_lp = quantize_experts(weight, recipe.output.weight, dq=True)
+            out = grouped_mm_rows(x_lp, w_lp, offs, out_dtype, backend)
+            weight_for_dgrad = None
+            if ctx.needs_input_grad[0]:
+                dgrad_cfg = recipe.grad_input.weight
+                if dgrad_cfg.block == "16x16" and dgrad_cfg == recipe.output.weight:
+                    weight_for_dgrad = TransposedExperts(w_lp)
+                else:
+                    weight_for_dgrad = quantize_experts(weight, dgrad_cfg, transpose=True)
+
+        w_tensors, ctx.weight_meta = save_operand(weight_for_dgrad)
+        x_tensors, ctx.input_meta = save_operand(x_t)
+        ctx.n_weight_tensors = len(w_tensors)
+        ctx.save_for_backward(
+            offs, layout.seg_ends, layout.source, layout.group, *w_tensors, *x_tensors
+        )
+        ctx.recipe, ctx.backend = recipe, backend
+        ctx.input_dtype, ctx.weight_dtype = input.dtype, weight_t.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        recipe: Recipe = ctx.recipe
+        offs, seg_ends, source, group, *saved = ctx.saved_tensors
+        layout = TokenLayout(seg_ends, source, group)
+        n = ctx.n_weight_tensors
+        grad_input = grad_weight_t = None
+        with torch.autocast(grad_output.device.type, enabled=False):
+            go_lp, go_t = quantize_grouped(
+                grad_output,
+                offs,
+                layout,
+                recipe.grad_input.grad_output if ctx.needs_input_grad[0] else None,
+                recipe.grad_weight.grad_output_t if ctx.needs_input_grad[1] else None,
+                tokens_dq=True,
+            )
+            if ctx.needs_input_grad[0]:
+                weight_t = load_operand(saved[:n], ctx.weight_meta)
+                grad_input = grouped_mm_rows(go_lp, weight_t, offs, ctx.input_dtype, ctx.backend)
+                del go_lp, weight_t
+            if ctx.needs_input_grad[1]:
+                input_t = load_operand(saved[n:], ctx.input_meta)
+                block = recipe.grad_weight.input_t.block_size
+                grad_weight = grouped_mm_tokens(
+                    go_t, input_t, offs, seg_ends, block, ctx.weight_dtype, ctx.backend
+                )
+                grad_weight_t = grad_weight.transpose(-2, -1)
+        return grad_input, grad_weight_t, None, None, None, None
 
 
 def grouped_mm(
@@ -39,25 +184,18 @@ def grouped_mm(
     recipe: Recipe,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """out[rows of group e] = input[rows of group e] @ weight_t[e], quantized as `recipe` says.
-
-    input [M, K] with rows grouped by expert, weight_t [E, K, N] (usually a transposed view of
-    [E, N, K] expert weights), offs int32 [E] cumulative end rows (offs[-1] <= M; rows past it
-    give zeros and get zero gradient). out_dtype: None gives the input's dtype.
-    """
+    """out[rows of expert e] = input[rows of e] @ weight_t[e], the three GEMMs quantized as
+    `recipe` says (module docstring). input [M, K], weight_t [E, K, N], offs int32 [E]
+    cumulative end rows (offs[-1] <= M; rows past it give zeros). Raises ValueError when the
+    shapes, dtypes or devices do not fit, or K or N does not fit the recipe's blocks."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a blockscale Recipe, got {type(recipe).__name__}")
     check_grouped_inputs(input, weight_t, offs)
     if not recipe.quantized:
         return torch._grouped_mm(input, weight_t, offs=offs, out_dtype=out_dtype)
-    ends = offs.tolist()
-    outs = []
-    start = 0
-    for e, end in enumerate(ends):
-        rows = input[start:end]
-        outs.append(linear(rows, weight_t[e].t(), None, recipe))
-        start = end
-    tail = input.shape[0] - start
-    dtype = out_dtype or (outs[0].dtype if outs else input.dtype)
-    outs.append(input.new_zeros(tail, weight_t.shape[2], dtype=dtype) + 0 * input[start:, :1])
-    return torch.cat([o.to(dtype) for o in outs])
+    reason = unsupported_reason(weight_t.shape[1], weight_t.shape[2], recipe)
+    if reason is not None:
+        raise ValueError(f"recipe {recipe.name} cannot run these experts: {reason}")
+    backend = resolve_backend(recipe.backend, input.device)
+    dtype = out_dtype if out_dtype is not None else output_dtype(input)
+    return _GroupedMM.apply(input, weight_t, offs, recipe, backend, dtype)

@@ -54,16 +54,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from blockscale.formats.mxfp8 import MXFP8Tensor
-from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.gemm.dispatch import Backend, Transposed, resolve_backend, scaled_mm
 from blockscale.ops.quantize import (
     HighPrecisionTensor,
-    MXFP8Operand,
-    NVFP4Operand,
     QuantizedOperand,
+    load_operand,
     quantize_operand,
     quantize_rows_and_tokens,
+    save_operand,
 )
 from blockscale.recipes import Recipe
 
@@ -96,33 +94,6 @@ def unsupported_reason(in_features: int, out_features: int, recipe: Recipe) -> s
     w = recipe.output.weight
     if w.block == "16x16" and out_features % 16:
         return f"out_features={out_features} is not a multiple of 16 (output.weight is 16x16)"
-    return None
-
-
-def _save(op: Operand | None) -> tuple[list[torch.Tensor], tuple[Any, ...]]:
-    """Split a container into tensors for ctx.save_for_backward and the metadata to rebuild it."""
-    if op is None:
-        return [], ("none",)
-    if isinstance(op, Transposed):
-        tensors, meta = _save(op.base)
-        return tensors, ("t", meta)
-    if isinstance(op, NVFP4Tensor):
-        return [op.data, op.scale, op.amax], ("nvfp4", op.shape, op.block, op.hadamard)
-    if isinstance(op, MXFP8Tensor):
-        return [op.data, op.scale], ("mxfp8", op.shape)
-    return [op.data], ("hp",)
-
-
-def _load(tensors: tuple[torch.Tensor, ...], meta: tuple[Any, ...]) -> Operand | None:
-    kind = meta[0]
-    if kind == "t":
-        return Transposed(_load(tensors, meta[1]))  # type: ignore[arg-type]
-    if kind == "nvfp4":
-        return NVFP4Operand(*tensors, shape=meta[1], block=meta[2], hadamard=meta[3])
-    if kind == "mxfp8":
-        return MXFP8Operand(*tensors, shape=meta[1])
-    if kind == "hp":
-        return HighPrecisionTensor(tensors[0])
     return None
 
 
@@ -169,8 +140,8 @@ class _Linear(torch.autograd.Function):
                 else:
                     weight_for_dgrad = quantize_operand(weight, dgrad_cfg, transpose=True)
 
-        w_tensors, ctx.weight_meta = _save(weight_for_dgrad)
-        x_tensors, ctx.input_meta = _save(input_t)
+        w_tensors, ctx.weight_meta = save_operand(weight_for_dgrad)
+        x_tensors, ctx.input_meta = save_operand(input_t)
         ctx.n_weight_tensors = len(w_tensors)
         ctx.save_for_backward(*w_tensors, *x_tensors)
         ctx.recipe, ctx.backend, ctx.compute_dtype = recipe, backend, out_dtype
@@ -193,14 +164,14 @@ class _Linear(torch.autograd.Function):
                 tokens_dq=True,
             )
             if ctx.needs_input_grad[0]:
-                weight_t = _load(saved[:n], ctx.weight_meta)
+                weight_t = load_operand(saved[:n], ctx.weight_meta)
                 grad_input = _mm(go_lp, weight_t, ctx.input_dtype, ctx.compute_dtype, ctx.backend)
                 grad_input = grad_input.reshape(ctx.input_shape)
                 # Release grad_output's `_dq` operand and the weight's before grad_weight
                 # builds its own two: the step's peak memory is set here.
                 del go_lp, weight_t
             if ctx.needs_input_grad[1]:
-                input_t = _load(saved[n:], ctx.input_meta)
+                input_t = load_operand(saved[n:], ctx.input_meta)
                 grad_weight = _mm(go_t, input_t, ctx.weight_dtype, ctx.compute_dtype, ctx.backend)
             if ctx.needs_input_grad[2]:
                 grad_bias = go.sum(0, dtype=torch.float32).to(ctx.bias_dtype)

@@ -30,14 +30,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from blockscale import _library
-from blockscale.formats import mxfp8, nvfp4
+from blockscale.formats import grouped, mxfp8, nvfp4
+from blockscale.formats.grouped import TokenLayout
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import NVFP4Tensor
+from blockscale.gemm.dispatch import Transposed
+from blockscale.gemm.grouped import TransposedExperts
 from blockscale.recipes import Format, OperandConfig
 
 
@@ -212,3 +216,120 @@ def quantize_rows_and_tokens(
             pad_tokens(x, tokens), tokens, transpose=True, generator=generator, dq=tokens_dq
         )
     return row_lp, tokens_lp
+
+
+# Wrappers that stand for an exact transpose of the container they hold (`.base`).
+_VIEWS = {"t": Transposed, "te": TransposedExperts}
+
+
+def save_operand(op: Any) -> tuple[list[torch.Tensor], tuple[Any, ...]]:
+    """Split an operand (a container, a transposed view of one, or None) into the tensors for
+    ctx.save_for_backward and the metadata `load_operand` rebuilds it from."""
+    if op is None:
+        return [], ("none",)
+    for kind, view in _VIEWS.items():
+        if isinstance(op, view):
+            tensors, meta = save_operand(op.base)
+            return tensors, (kind, meta)
+    if isinstance(op, NVFP4Tensor):
+        return [op.data, op.scale, op.amax], ("nvfp4", op.shape, op.block, op.hadamard)
+    if isinstance(op, MXFP8Tensor):
+        return [op.data, op.scale], ("mxfp8", op.shape)
+    return [op.data], ("hp",)
+
+
+def load_operand(tensors: tuple[torch.Tensor, ...], meta: tuple[Any, ...]) -> Any:
+    """The operand `save_operand` split; saved containers rebuild their `_dq` on demand."""
+    kind = meta[0]
+    if kind in _VIEWS:
+        return _VIEWS[kind](load_operand(tensors, meta[1]))
+    if kind == "nvfp4":
+        return NVFP4Operand(*tensors, shape=meta[1], block=meta[2], hadamard=meta[3])
+    if kind == "mxfp8":
+        return MXFP8Operand(*tensors, shape=meta[1])
+    if kind == "hp":
+        return HighPrecisionTensor(tensors[0])
+    return None
+
+
+# ----------------------------------------------------------------------------- grouped
+
+
+def quantize_grouped(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    layout: TokenLayout,
+    row: OperandConfig | None,
+    tokens: OperandConfig | None,
+    generator: torch.Generator | None = None,
+    tokens_dq: bool = False,
+) -> tuple[QuantizedOperand | None, QuantizedOperand | None]:
+    """The two copies of a grouped activation [M, C] (formats/grouped.py): along C per `row`,
+    each row with its group's amax (it feeds a GEMM now: its `_dq` is made with it), and along
+    the tokens per `tokens` into the token layout [C, P] (`tokens_dq`: also its `_dq`). A None
+    config skips that copy. Where both share a format the kernels make them from one read of
+    x; nothing waits for the host. The CPU reference loops over the groups on the host.
+    Stochastic draws: the row copy first."""
+    for cfg in (row, tokens):
+        if cfg is not None and not cfg.quantized:
+            raise ValueError("a grouped GEMM quantizes every operand (or none: the bf16 recipe)")
+    if row is not None and tokens is not None and row.format is not tokens.format:
+        row_lp, _ = quantize_grouped(x, offs, layout, row, None, generator)
+        _, tok_lp = quantize_grouped(x, offs, layout, None, tokens, generator, tokens_dq)
+        return row_lp, tok_lp
+    fmt = (row or tokens).format  # type: ignore[union-attr]
+    if _library.use_kernels(x):
+        if fmt is Format.NVFP4:
+            row_out, tok_out = _kernels().nvfp4_quantize_grouped(
+                x,
+                layout,
+                rows=row.rounding.value if row else None,
+                tokens=tokens.rounding.value if tokens else None,
+                hadamard=bool(tokens and tokens.hadamard),
+                return_dq=(True, tokens_dq),
+                generator=generator,
+            )
+        else:
+            row_out, tok_out = _kernels().mxfp8_quantize_grouped(
+                x, layout, rows=row is not None, tokens=tokens is not None,
+                return_dq=(True, tokens_dq),
+            )  # fmt: skip
+        row_lp = None if row_out is None else as_operand(*row_out)
+        tok_lp = None if tok_out is None else as_operand(*tok_out)
+        return row_lp, tok_lp
+    row_lp = tok_lp = None
+    if fmt is Format.NVFP4:
+        if row is not None:
+            row_lp = grouped.nvfp4_quantize_rows(x, offs, row.rounding.value)
+        if tokens is not None:
+            tok_lp = grouped.nvfp4_quantize_tokens(
+                x, offs, tokens.rounding.value, hadamard=tokens.hadamard
+            )
+    else:
+        row_lp = None if row is None else mxfp8.quantize(x)
+        tok_lp = None if tokens is None else grouped.mxfp8_quantize_tokens(x, offs)
+    return row_lp, tok_lp
+
+
+def quantize_experts(
+    w: torch.Tensor, config: OperandConfig, transpose: bool = False, dq: bool = False
+) -> QuantizedOperand:
+    """Expert weights w [E, N, K] quantized per `config`, each expert with its own amax: along K
+    ([E, N, K]), or with transpose=True along N ([E, K, N], the grad_input copy)."""
+    if not config.quantized:
+        raise ValueError("quantize_experts needs a quantized config (BF16 weights are used as is)")
+    kernels = _library.use_kernels(w)
+    if config.format is Format.NVFP4:
+        if transpose and config.block == "16x16":
+            raise ValueError("a 16x16 weight's transpose is exact: use TransposedExperts")
+        if not kernels:
+            return grouped.nvfp4_quantize_experts(w, config.block, transpose=transpose)
+        if transpose:
+            out = _kernels().nvfp4_quantize_experts_t(w, return_dq=dq)
+        else:
+            out = _kernels().nvfp4_quantize_experts(w, config.block, return_dq=dq)
+    else:
+        if not kernels:
+            return grouped.mxfp8_quantize_experts(w, transpose=transpose)
+        out = _kernels().mxfp8_quantize_experts(w, transpose=transpose, return_dq=dq)
+    return as_operand(*out) if dq else as_operand(out)

@@ -1,0 +1,157 @@
+"""One entry point for the block-scaled grouped GEMMs of a mixture-of-experts layer.
+
+- `grouped_mm_rows(a, b, offs, out_dtype, backend)`: out [M, N], the rows of group e equal to
+  a[rows of e] @ b[e].T * alpha_e (the output and grad_input GEMMs). a is a grouped row
+  operand [M, K] (formats/grouped.py), b an expert operand [E, N, K] (or `TransposedExperts`,
+  the exact transpose of 16x16 expert weights). Rows past offs[-1] are zero.
+- `grouped_mm_tokens(a, b, seg_ends, block, out_dtype, backend)`: out [E, N, K], out[e] =
+  a[:, segment e] @ b[:, segment e].T * alpha_e (the grad_weight GEMM) on two token-layout
+  operands [N, P] and [K, P].
+
+alpha_e = S_dec_a[e] * S_dec_b[e] from the per-group NVFP4 amaxes; none for MXFP8.
+
+Backends, as for the dense GEMMs (gemm/dispatch.py): `emulated` runs the exact `_dq`
+operands through one Triton kernel per grouped GEMM (kernels/grouped_gemm.py) wherever the
+kernels run, with the per-group alpha and the cast in its epilogue, reading the offsets from
+the device. Elsewhere (the CPU) it loops over the groups with the offsets read on the host and
+makes each group's product exactly as a per-expert `linear` would (the same call on the same
+shapes: a grad_weight group contracts its tokens padded to the block, not to the layout's 64),
+so the CPU result equals a loop of `linear` bit for bit. `native` is Blackwell's
+`scaled_grouped_mm` (gemm/native.py, unverified on hardware).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockscale import _library
+from blockscale.formats.mxfp8 import MXFP8Tensor
+from blockscale.formats.nvfp4 import NVFP4Tensor, decode_scale
+from blockscale.gemm import emulated
+from blockscale.gemm.dispatch import Backend, resolve_backend
+
+
+@dataclass
+class TransposedExperts:
+    """Stands for the [E, K, N] transpose of 16x16 NVFP4 expert weights [E, N, K]: exact, as a
+    16x16 tile's quantization is symmetric; read as a strided view of the `_dq` tensor."""
+
+    base: NVFP4Tensor
+
+    def __post_init__(self) -> None:
+        if self.base.block != "16x16" or self.base.data.dim() != 3:
+            raise ValueError(
+                f"only 3-D 16x16 NVFP4 expert weights transpose exactly (block="
+                f"{self.base.block}, dims={self.base.data.dim()})"
+            )
+
+    @property
+    def shape(self) -> torch.Size:
+        e, n, k = self.base.shape
+        return torch.Size((e, k, n))
+
+    @property
+    def amax(self) -> torch.Tensor:
+        return self.base.amax
+
+    def dq(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return self.base.dq(dtype).transpose(-2, -1)
+
+
+Operand = NVFP4Tensor | MXFP8Tensor | TransposedExperts
+
+
+def _is_nvfp4(op: Operand) -> bool:
+    return isinstance(op, NVFP4Tensor | TransposedExperts)
+
+
+def _device(op: Operand) -> torch.device:
+    return (op.base if isinstance(op, TransposedExperts) else op).data.device
+
+
+def _check(a: Operand, b: Operand) -> None:
+    if _is_nvfp4(a) != _is_nvfp4(b):
+        raise ValueError(
+            f"both operands must share a format, got {type(a).__name__} and {type(b).__name__}"
+        )
+
+
+def _dq_dtype(op: Operand) -> torch.dtype:
+    # On CUDA the GEMM reads BF16 operands; CPUs multiply in FP32 (both are exact)
+    return torch.bfloat16 if _device(op).type == "cuda" else torch.float32
+
+
+def _amaxes(a: Operand, b: Operand) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return (a.amax, b.amax) if _is_nvfp4(a) else None
+
+
+def _host_bounds(ends: torch.Tensor) -> list[tuple[int, int]]:
+    e = ends.tolist()
+    return list(zip([0, *e[:-1]], e))
+
+
+def _group_product(a_dq, b_dq, amax, e: int, out_dtype: torch.dtype) -> torch.Tensor:
+    # Fresh copies: a CPU GEMM may sum in another order for an operand that starts at another
+    # alignment, and a per-expert `linear` multiplies freshly allocated operands.
+    acc = emulated.mm_fp32_accumulate(a_dq.clone(), b_dq.clone())
+    if amax is not None:
+        acc.mul_(decode_scale(amax[0][e]) * decode_scale(amax[1][e]))
+    return acc.to(out_dtype)
+
+
+def _not_native(backend: Backend | str, op: Operand) -> None:
+    if resolve_backend(backend, _device(op)) is Backend.NATIVE:
+        raise NotImplementedError(
+            "the native (Blackwell) grouped GEMM is not wired yet; use backend='emulated'"
+        )
+
+
+def grouped_mm_rows(
+    a: Operand,
+    b: Operand,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    backend: Backend | str = Backend.AUTO,
+) -> torch.Tensor:
+    """out [M, N] = per group a[rows of e] @ b[e].T * alpha_e; zero rows past offs[-1]."""
+    _check(a, b)
+    _not_native(backend, a)
+    a_dq, b_dq = a.dq(_dq_dtype(a)), b.dq(_dq_dtype(a))
+    amax = _amaxes(a, b)
+    if _library.use_kernels(a_dq):
+        return _library.kernels().grouped_gemm_rows(a_dq, b_dq, offs, amax, out_dtype)
+    out = a_dq.new_zeros(a_dq.shape[0], b_dq.shape[1], dtype=out_dtype)
+    for e, (start, end) in enumerate(_host_bounds(offs)):
+        if end > start:
+            out[start:end] = _group_product(a_dq[start:end], b_dq[e], amax, e, out_dtype)
+    return out
+
+
+def grouped_mm_tokens(
+    a: Operand,
+    b: Operand,
+    offs: torch.Tensor,
+    seg_ends: torch.Tensor,
+    block: int,
+    out_dtype: torch.dtype = torch.float32,
+    backend: Backend | str = Backend.AUTO,
+) -> torch.Tensor:
+    """out [E, N, K] = per group a[:, segment e] @ b[:, segment e].T * alpha_e, for token
+    operands a [N, P] and b [K, P] (`seg_ends` the layout's segment ends; `offs` the groups'
+    row ends and `block` the tokens' block size, read only by the CPU loop)."""
+    _check(a, b)
+    _not_native(backend, a)
+    a_dq, b_dq = a.dq(_dq_dtype(a)), b.dq(_dq_dtype(a))
+    amax = _amaxes(a, b)
+    if _library.use_kernels(a_dq):
+        return _library.kernels().grouped_gemm_tokens(a_dq, b_dq, seg_ends, amax, out_dtype)
+    out = a_dq.new_zeros(seg_ends.shape[0], a_dq.shape[0], b_dq.shape[0], dtype=out_dtype)
+    segments = _host_bounds(seg_ends)
+    for e, (start, end) in enumerate(_host_bounds(offs)):
+        if end > start:
+            s0 = segments[e][0]
+            s1 = s0 + -(-(end - start) // block) * block
+            out[e] = _group_product(a_dq[:, s0:s1], b_dq[:, s0:s1], amax, e, out_dtype)
+    return out

@@ -1,0 +1,428 @@
+"""Per-group quantization kernels for grouped (mixture-of-experts) GEMMs: every expert's
+amaxes and both copies of an activation in one launch each, reading the group layout from the
+device, so a grouped GEMM's forward and backward never wait for the host.
+
+The layout is formats/grouped.py's: a grouped activation x [M, C] is walked in the token
+layout's order, P positions where position p holds row `source[p]` of x (or a zero padding
+token, source -1) and belongs to group `group[p]`. Each expert's tokens fill a segment of
+its own, padded to 64 positions, so no 16-token block, Hadamard block or 32-token MXFP8 block
+spans two experts. A program loads one [BM, BK] tile of positions (a row gather from x) and
+quantizes it exactly as the dense kernels of nvfp4.py / mxfp8.py do, with their jit helpers:
+
+- the **row copy** (along C, blocks of 16 or 32 values of a row): each row with its group's
+  amax, scattered back to row `source[p]` of a [M, C] output (padding positions store
+  nothing; rows past offs[-1] are never visited and stay unwritten: no GEMM reads them);
+- the **token copy** (along the positions, optionally Hadamard-transformed): each 16-token
+  block with its group's amax, stored at its position in a [C, P] output.
+
+`group_amax` finds every group's max |x| and max |Hadamard token copy| in one read, with one
+integer atomic max per 16-token block and result (the amax kernel's trick: the bits of |x|
+order like the values, NaN above Inf, so the result is exact and order-independent).
+
+Expert weights [E, N, K] are the same kernel without the gather: rows are the E*N weight rows,
+each with its expert's amax (16x16 tiles never cross experts since N % 16 == 0).
+
+Bytes: as the dense kernels, plus 8 bytes a position for the layout (source and group).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from blockscale._library import library_op
+from blockscale.formats.grouped import TokenLayout
+from blockscale.formats.mxfp8 import MXFP8Tensor
+from blockscale.formats.nvfp4 import NVFP4Tensor
+from blockscale.kernels import mxfp8 as mx
+from blockscale.kernels import nvfp4 as nv
+from blockscale.kernels._common import (
+    abs_bits,
+    cdiv,
+    dot_in_fp32,
+    hadamard_16,
+    hadamard_matrix,
+    interpreting,
+    nvfp4_global,
+    philox_seed,
+    relayout_16,
+)
+
+# (BM, BK, num_warps) for the amax pass; the quantize passes use the dense kernels' TILES.
+AMAX_TILE = (64, 128, 4)
+
+
+@triton.jit
+def _load_positions(x_ptr, stride_m, stride_k, src_ptr, p0, k0, P, K,
+                    BM: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr):  # fmt: skip
+    """The [BM, BK] tile of positions p0.. (rows of x through `source`, zeros for padding),
+    with each position's source row (int64) and whether it holds a row of x."""
+    p = p0 + tl.arange(0, BM)
+    if GATHER:
+        src = tl.load(src_ptr + p, mask=p < P, other=-1).to(tl.int64)
+    else:
+        src = tl.where(p < P, p, -1).to(tl.int64)
+    valid = src >= 0
+    offs_k = k0 + tl.arange(0, BK)
+    x = tl.load(
+        x_ptr + src[:, None] * stride_m + offs_k[None, :] * stride_k,
+        mask=valid[:, None] & (offs_k < K)[None, :],
+        other=0.0,
+    )
+    return x, src, valid
+
+
+@triton.jit
+def _block_groups(group_ptr, p0, P, E, BM: tl.constexpr):
+    """The group of each 16-position block of the tile (E past the end)."""
+    first = p0 + 16 * tl.arange(0, BM // 16)
+    return tl.load(group_ptr + first, mask=first < P, other=E)
+
+
+@triton.jit
+def _group_amax_kernel(
+    x_ptr, stride_m, stride_k, src_ptr, group_ptr, P, K, E, h_ptr, amax_ptr, amax_h_ptr,
+    PLAIN: tl.constexpr, HAD: tl.constexpr, GATHER: tl.constexpr, DOT_F32: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    p0 = tl.program_id(0) * BM
+    k0 = tl.program_id(1) * BK
+    x, _, _ = _load_positions(x_ptr, stride_m, stride_k, src_ptr, p0, k0, P, K, BM, BK, GATHER)
+    g = _block_groups(group_ptr, p0, P, E, BM)
+    if PLAIN:
+        per_position = tl.max(abs_bits(x), axis=1)
+        tl.atomic_max(amax_ptr + g, tl.max(tl.reshape(per_position, [BM // 16, 16]), axis=1),
+                      mask=g < E)  # fmt: skip
+    if HAD:
+        y = hadamard_16(tl.trans(x), h_ptr, BK, BM, DOT_F32)
+        per_position = tl.max(abs_bits(y), axis=0)
+        tl.atomic_max(amax_h_ptr + g, tl.max(tl.reshape(per_position, [BM // 16, 16]), axis=1),
+                      mask=g < E)  # fmt: skip
+
+
+@triton.jit
+def _nvfp4_grouped_kernel(
+    x_ptr, stride_m, stride_k, src_ptr, group_ptr, P, K, E,
+    amax_row_ptr, amax_col_ptr, h_ptr, seed_ptr,
+    data_ptr, scale_ptr, dq_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
+    ROW: tl.constexpr, COL: tl.constexpr, ROW_2D: tl.constexpr, ROW_SR: tl.constexpr,
+    COL_SR: tl.constexpr, COL_HAD: tl.constexpr, DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr,
+    GATHER: tl.constexpr, DOT_F32: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    p0 = tl.program_id(0) * BM
+    k0 = tl.program_id(1) * BK
+    x, src, valid = _load_positions(
+        x_ptr, stride_m, stride_k, src_ptr, p0, k0, P, K, BM, BK, GATHER
+    )
+    if ROW:
+        p = p0 + tl.arange(0, BM)
+        g = tl.load(group_ptr + p, mask=p < P, other=E)
+        s_dec, mult = nvfp4_global(tl.load(amax_row_ptr + g, mask=g < E, other=0.0))
+        u = nv._uniforms(seed_ptr, seed_ptr, p0, k0, P, K, 0, BM, BK, ROW_SR, False)
+        packed, scode, dq, _ = nv._quantize_tile(
+            x.to(tl.float32), s_dec[:, None], mult[:, None], u, BM, BK, ROW_2D, ROW_SR, DQ_ROW
+        )
+        nv.store_rows(packed, scode, dq, data_ptr, scale_ptr, dq_ptr, src, valid, k0, K, BK,
+                      DQ_ROW)  # fmt: skip
+    if COL:
+        g_t = _block_groups(group_ptr, p0, P, E, BM)
+        s_dec_t, mult_t = nvfp4_global(tl.load(amax_col_ptr + g_t, mask=g_t < E, other=0.0))
+        s_dec_t = s_dec_t[None, :]
+        mult_t = mult_t[None, :]
+        # Philox counters past the row copy's, as in the dense kernel
+        base = ((P + 15) // 16) * 16 * (K // 16)
+        u_t = nv._uniforms(seed_ptr, seed_ptr, k0, p0, K, P, base, BK, BM, COL_SR, False)
+        xt = tl.trans(x)
+        if COL_HAD:
+            vt = hadamard_16(xt, h_ptr, BK, BM, DOT_F32)
+        else:
+            vt = relayout_16(xt, BK, BM, DOT_F32)
+        packed_t, scode_t, dq_t, finite = nv._quantize_tile(
+            vt, s_dec_t, mult_t, u_t, BK, BM, False, COL_SR, DQ_COL
+        )
+        if COL_HAD or finite:
+            nv._store_quantized(packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
+                                k0, p0, K, P, BK, BM, DQ_COL)  # fmt: skip
+        else:
+            # Inf * 0 in the identity product made NaN: redo this tile from the plain transpose.
+            packed_t, scode_t, dq_t, _ = nv._quantize_tile(
+                xt.to(tl.float32), s_dec_t, mult_t, u_t, BK, BM, False, COL_SR, DQ_COL
+            )
+            nv._store_quantized(packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
+                                k0, p0, K, P, BK, BM, DQ_COL)  # fmt: skip
+
+
+@triton.jit
+def _mxfp8_grouped_kernel(
+    x_ptr, stride_m, stride_k, src_ptr, P, K,
+    data_ptr, scale_ptr, dq_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
+    ROW: tl.constexpr, COL: tl.constexpr, DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr,
+    HW_FP8: tl.constexpr, GATHER: tl.constexpr, DOT_F32: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    p0 = tl.program_id(0) * BM
+    k0 = tl.program_id(1) * BK
+    x, src, valid = _load_positions(
+        x_ptr, stride_m, stride_k, src_ptr, p0, k0, P, K, BM, BK, GATHER
+    )
+    if ROW:
+        byte, ecode, dq, _ = mx._mx_tile(x.to(tl.float32), BM, BK, HW_FP8)
+        mx.store_mx_rows(byte, ecode, dq, data_ptr, scale_ptr, dq_ptr, src, valid, k0, K, BK,
+                         DQ_ROW)  # fmt: skip
+    if COL:
+        xt = tl.trans(x)
+        byte_t, ecode_t, dq_t, finite = mx._mx_tile(relayout_16(xt, BK, BM, DOT_F32), BK, BM,
+                                                    HW_FP8)  # fmt: skip
+        if finite:
+            mx._store_mx(byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
+                         k0, p0, K, P, BK, BM, DQ_COL)  # fmt: skip
+        else:
+            byte_t, ecode_t, dq_t, _ = mx._mx_tile(xt.to(tl.float32), BK, BM, HW_FP8)
+            mx._store_mx(byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
+                         k0, p0, K, P, BK, BM, DQ_COL)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _layout_args(source: torch.Tensor | None, rows: int) -> tuple[torch.Tensor | None, int, bool]:
+    return source, (rows if source is None else source.shape[0]), source is not None
+
+
+@library_op("blockscale::group_amax_2d", mutates_args=(), triton=True)
+def _group_amax_2d(
+    x: torch.Tensor,
+    source: torch.Tensor | None,
+    group: torch.Tensor,
+    groups: int,
+    plain: bool,
+    hadamard: bool,
+) -> torch.Tensor:
+    """FP32 [2, E]: each group's max |x| and max |Hadamard token copy| (unrequested: 0)."""
+    M, K = x.shape
+    P = source.shape[0] if source is not None else M
+    out = torch.zeros(2, groups, dtype=torch.int32, device=x.device)
+    if P and K and groups:
+        bm, bk, warps = AMAX_TILE
+        torch.library.wrap_triton(_group_amax_kernel)[(cdiv(P, bm), cdiv(K, bk))](
+            x, x.stride(0), x.stride(1), source if source is not None else group, group, P, K,
+            groups, hadamard_matrix(x.device), out[0], out[1],
+            PLAIN=plain, HAD=hadamard, GATHER=source is not None, DOT_F32=dot_in_fp32(x),
+            BM=bm, BK=bk, num_warps=warps,
+        )  # fmt: skip
+    return out.view(torch.float32)
+
+
+@library_op("blockscale::nvfp4_quantize_grouped_2d", mutates_args=(), triton=True)
+def _nvfp4_quantize_grouped_2d(
+    x: torch.Tensor,
+    source: torch.Tensor | None,
+    group: torch.Tensor,
+    amax_row: torch.Tensor,
+    amax_col: torch.Tensor,
+    seed: torch.Tensor | None,
+    row: bool,
+    col: bool,
+    row_2d: bool,
+    row_sr: bool,
+    col_sr: bool,
+    col_hadamard: bool,
+    dq_row: bool,
+    dq_col: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] walked through `source` (None: its own rows) -> the row copy (data [M, K/2],
+    scale [M, K/16], dq [M, K]) and the token copy ([K, P/2], [K, P/16], [K, P]); amax_* [E]
+    per group, `group` [P] int32. Unused outputs are empty; scales are raw E4M3 bytes."""
+    M, K = x.shape
+    P = source.shape[0] if source is not None else M
+    E = amax_row.shape[0] if row else amax_col.shape[0]
+    dev = x.device
+    dq_row, dq_col = dq_row and row, dq_col and col
+    data, scale, dq_r = (
+        nv._empty_like_spec(M, K, dev, dq_row) if row else nv._empty_like_spec(0, 0, dev, False)
+    )
+    data_t, scale_t, dq_c = nv._empty_like_spec(K, P, dev, dq_col) if col else nv._empty_like_spec(0, 0, dev, False)  # fmt: skip
+    if P == 0 or K == 0 or not (row or col):
+        return data, scale, dq_r, data_t, scale_t, dq_c
+    kind = ("both" if row and col else ("col" if col else "row")) + (
+        "_dq" if dq_row or dq_col else ""
+    )
+    bm, bk, warps = nv.TILES[kind]
+    torch.library.wrap_triton(_nvfp4_grouped_kernel)[(cdiv(P, bm), cdiv(K, bk))](
+        x, x.stride(0), x.stride(1), source if source is not None else group, group, P, K, E,
+        amax_row, amax_col, hadamard_matrix(dev), seed if seed is not None else amax_row,
+        data, scale, dq_r.view(torch.int16), data_t, scale_t, dq_c.view(torch.int16),
+        ROW=row, COL=col, ROW_2D=row_2d, ROW_SR=row_sr, COL_SR=col_sr, COL_HAD=col_hadamard,
+        DQ_ROW=dq_row, DQ_COL=dq_col, GATHER=source is not None, DOT_F32=dot_in_fp32(x),
+        BM=bm, BK=bk, num_warps=warps,
+    )  # fmt: skip
+    return data, scale, dq_r, data_t, scale_t, dq_c
+
+
+@library_op("blockscale::mxfp8_quantize_grouped_2d", mutates_args=(), triton=True)
+def _mxfp8_quantize_grouped_2d(
+    x: torch.Tensor, source: torch.Tensor, row: bool, col: bool, dq_row: bool, dq_col: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] walked through `source` -> the row copy ([M, K] E4M3 bytes, [M, K/32] E8M0
+    bytes, dq) and the token copy ([K, P], [K, P/32], dq); unused outputs are empty."""
+    M, K = x.shape
+    P = source.shape[0]
+    dev = x.device
+    dq_row, dq_col = dq_row and row, dq_col and col
+    data, scale, dq_r = mx._outputs(M, K, dev, dq_row) if row else mx._outputs(0, 0, dev, False)
+    data_t, scale_t, dq_c = mx._outputs(K, P, dev, dq_col) if col else mx._outputs(0, 0, dev, False)
+    if P and K and (row or col):
+        kind = ("both" if row and col else ("col" if col else "row")) + (
+            "_dq" if dq_row or dq_col else ""
+        )
+        bm, bk, warps = mx.TILES[kind]
+        torch.library.wrap_triton(_mxfp8_grouped_kernel)[(cdiv(P, bm), cdiv(K, bk))](
+            x, x.stride(0), x.stride(1), source, P, K,
+            data, scale, dq_r.view(torch.int16), data_t, scale_t, dq_c.view(torch.int16),
+            ROW=row, COL=col, DQ_ROW=dq_row, DQ_COL=dq_col, HW_FP8=not interpreting(),
+            GATHER=True, DOT_F32=dot_in_fp32(x), BM=bm, BK=bk, num_warps=warps,
+        )  # fmt: skip
+    return data, scale, dq_r, data_t, scale_t, dq_c
+
+
+# ----------------------------------------------------------------------------- Python API
+
+
+def group_amax(
+    x: torch.Tensor, layout: TokenLayout, plain: bool = True, hadamard: bool = False
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(each group's max |x|, each group's max |Hadamard token copy|) as FP32 [E] tensors
+    from one read of x; None for the one not asked for. formats.grouped.group_amax, fast."""
+    E = layout.seg_ends.shape[0]
+    out = _group_amax_2d(x, layout.source, layout.group, E, plain, hadamard)
+    return (out[0] if plain else None), (out[1] if hadamard else None)
+
+
+def _nvfp4_grouped(data, scale, amax, shape, block, hadamard) -> NVFP4Tensor:
+    lead = shape[:-1]
+    return NVFP4Tensor(
+        data.reshape(*lead, shape[-1] // 2),
+        scale.view(torch.float8_e4m3fn).reshape(*lead, shape[-1] // 16),
+        amax,
+        torch.Size(shape),
+        block,
+        hadamard,
+    )
+
+
+def nvfp4_quantize_grouped(
+    x: torch.Tensor,
+    layout: TokenLayout,
+    rows: str | None = "nearest",
+    tokens: str | None = None,
+    hadamard: bool = False,
+    return_dq: tuple[bool, bool] = (True, False),
+    amax: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    generator: torch.Generator | None = None,
+):
+    """The row copy of grouped x [M, C] (1x16 along C, rounding `rows`) and its token copy
+    ([C, P] in `layout`, rounding `tokens`, optionally Hadamard) from one read of x; a None
+    rounding skips that copy. Returns ((q_row, dq_row), (q_tok, dq_tok)) with None for what
+    was skipped or not asked for in `return_dq`. Group amaxes are computed in one fused pass
+    unless given in `amax` (row, tokens). Equals formats.grouped's nvfp4_quantize_rows /
+    nvfp4_quantize_tokens bit for bit (nearest rounding)."""
+    want_row, want_tok = rows is not None, tokens is not None
+    amax_r, amax_t = amax
+    find_row = want_row and amax_r is None
+    find_tok = want_tok and amax_t is None
+    if find_row or find_tok:
+        plain, had = group_amax(
+            x, layout, plain=find_row or (find_tok and not hadamard), hadamard=find_tok and hadamard
+        )
+        amax_r = plain if find_row else amax_r
+        amax_t = (had if hadamard else plain) if find_tok else amax_t
+    E = layout.seg_ends.shape[0]
+    dummy = x.new_zeros(E, dtype=torch.float32)
+    sr_row, sr_tok = rows == "stochastic", tokens == "stochastic"
+    seed = philox_seed(x.device, generator) if sr_row or sr_tok else None
+    data, scale, dq, data_t, scale_t, dq_t = _nvfp4_quantize_grouped_2d(
+        x, layout.source, layout.group,
+        amax_r if want_row else dummy, amax_t if want_tok else dummy, seed,
+        row=want_row, col=want_tok, row_2d=False, row_sr=sr_row, col_sr=sr_tok,
+        col_hadamard=hadamard, dq_row=return_dq[0], dq_col=return_dq[1],
+    )  # fmt: skip
+    row_out = tok_out = None
+    if want_row:
+        q = _nvfp4_grouped(data, scale, amax_r, x.shape, "1x16", False)
+        row_out = (q, dq if return_dq[0] else None)
+    if want_tok:
+        shape = torch.Size((x.shape[1], layout.capacity))
+        q = _nvfp4_grouped(data_t, scale_t, amax_t, shape, "1x16", hadamard)
+        tok_out = (q, dq_t if return_dq[1] else None)
+    return row_out, tok_out
+
+
+def nvfp4_quantize_experts(w: torch.Tensor, block: str = "16x16", return_dq: bool = False):
+    """Expert weights w [E, N, K] quantized along K, each expert with its own amax (one pass
+    for the amaxes, one for the codes). formats.grouped.nvfp4_quantize_experts, fast."""
+    E, N, K = w.shape
+    w2 = w.reshape(E * N, K)
+    amax = w.abs().amax(dim=(1, 2)).float() if w.numel() else w.new_zeros(E, dtype=torch.float32)
+    group = torch.arange(E * N, device=w.device, dtype=torch.int32) // max(N, 1)
+    data, scale, dq, *_ = _nvfp4_quantize_grouped_2d(
+        w2, None, group, amax, amax, None, row=True, col=False, row_2d=block == "16x16",
+        row_sr=False, col_sr=False, col_hadamard=False, dq_row=return_dq, dq_col=False,
+    )  # fmt: skip
+    q = _nvfp4_grouped(data, scale, amax, w.shape, block, False)
+    return (q, dq.reshape(w.shape)) if return_dq else q
+
+
+def nvfp4_quantize_experts_t(w: torch.Tensor, return_dq: bool = False):
+    """Expert weights w [E, N, K] quantized along N in 1x16 blocks, each expert with its own
+    amax: the dgrad copy of a 1x16 recipe, as [E, K, N] (a strided view per expert)."""
+    E, N, K = w.shape
+    w2 = w.reshape(E * N, K)
+    amax = w.abs().amax(dim=(1, 2)).float() if w.numel() else w.new_zeros(E, dtype=torch.float32)
+    group = torch.arange(E * N, device=w.device, dtype=torch.int32) // max(N, 1)
+    *_, data_t, scale_t, dq_t = _nvfp4_quantize_grouped_2d(
+        w2, None, group, amax, amax, None, row=False, col=True, row_2d=False,
+        row_sr=False, col_sr=False, col_hadamard=False, dq_row=False, dq_col=return_dq,
+    )  # fmt: skip
+    # [K, E*N] -> [E, K, N] views: each expert's block of columns
+    data = data_t.view(K, E, N // 2).permute(1, 0, 2)
+    scale = scale_t.view(torch.float8_e4m3fn).view(K, E, N // 16).permute(1, 0, 2)
+    q = NVFP4Tensor(data, scale, amax, torch.Size((E, K, N)), "1x16", False)
+    return (q, dq_t.view(K, E, N).permute(1, 0, 2)) if return_dq else q
+
+
+def mxfp8_quantize_grouped(
+    x: torch.Tensor,
+    layout: TokenLayout,
+    rows: bool = True,
+    tokens: bool = False,
+    return_dq: tuple[bool, bool] = (True, False),
+):
+    """MXFP8 row copy of grouped x [M, C] and its token copy ([C, P] in `layout`) from one
+    read of x; ((q_row, dq_row) | None, (q_tok, dq_tok) | None)."""
+    data, scale, dq, data_t, scale_t, dq_t = _mxfp8_quantize_grouped_2d(
+        x, layout.source, rows, tokens, return_dq[0], return_dq[1]
+    )
+    row_out = tok_out = None
+    if rows:
+        row_out = (mx._container(data, scale, x.shape), dq if return_dq[0] else None)
+    if tokens:
+        shape = torch.Size((x.shape[1], layout.capacity))
+        tok_out = (mx._container(data_t, scale_t, shape), dq_t if return_dq[1] else None)
+    return row_out, tok_out
+
+
+def mxfp8_quantize_experts(w: torch.Tensor, transpose: bool = False, return_dq: bool = False):
+    """Expert weights w [E, N, K] in MXFP8 along K ([E, N, K]) or along N ([E, K, N], a
+    strided view per expert): the dense kernel over the [E*N, K] rows (blocks of 32 along N
+    never cross experts, N % 32 == 0)."""
+    E, N, K = w.shape
+    out = mx.mxfp8_quantize(w.reshape(E * N, K), transpose=transpose, return_dq=return_dq)
+    q, dq = out if return_dq else (out, None)
+    if not transpose:
+        res = MXFP8Tensor(q.data.reshape(E, N, K), q.scale.reshape(E, N, K // 32), w.shape)
+        return (res, dq.reshape(E, N, K)) if return_dq else res
+    data = q.data.view(K, E, N).permute(1, 0, 2)
+    scale = q.scale.view(K, E, N // 32).permute(1, 0, 2)
+    res = MXFP8Tensor(data, scale, torch.Size((E, K, N)))
+    return (res, dq.view(K, E, N).permute(1, 0, 2)) if return_dq else res

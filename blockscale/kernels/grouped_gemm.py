@@ -1,0 +1,294 @@
+"""The emulated grouped GEMMs with their per-group epilogue: one launch per grouped GEMM, the
+group layout read from the device (no host synchronization), the FP32 accumulator scaled by
+each group's alpha and rounded to the output dtype in registers.
+
+Two shapes, as a mixture-of-experts layer needs them (see ops/grouped_mm.py):
+
+- **rows** (output and grad_input): out[rows of group e] = a[rows of e] @ b[e].T * alpha_e,
+  a [M, K] K-major with rows grouped by `offs`, b [E, N, K] with unit stride along K or
+  along N (the transposed 16x16 weight of grad_input is a strided view, read as it is).
+  Output tiles are laid out group by group: group e has ceil(size_e / BM) row tiles, whose
+  prefix sums (`tile_ends`, computed on the device) the program searches for its group. Rows
+  past offs[-1] form one more group whose tiles store zeros, so the output is fully written
+  (PyTorch's grouped GEMM leaves those rows uninitialized).
+- **tokens** (grad_weight): out[e] = a[:, segment e] @ b[:, segment e].T * alpha_e, a [N, P]
+  and b [K, P] in formats/grouped.py's token layout, whose segments start at multiples of 64
+  (the contraction tile), so a segment is walked in whole tiles; out [E, N, K]. An empty
+  segment gives a zero gradient.
+
+alpha_e = S_dec(amax_a[e]) * S_dec(amax_b[e]) for NVFP4 (as epilogue.py computes it), none for
+MXFP8; the product is rounded on its own (mul.rn), then round-to-nearest-even to BF16. Each
+group's result equals the dense emulated GEMM's up to the order of the FP32 additions.
+
+Reads go through TMA descriptors (2-D for the activations, 3-D for expert weights and the
+grad_weight output, so no tile crosses an expert); row tiles are stored with a masked store,
+since a tile's rows may end inside it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from blockscale._library import library_op
+from blockscale.kernels._common import bf16_bits, cdiv, interpreting, round_to_bf16
+from blockscale.kernels.epilogue import _decode_scale, _mul_rn
+
+# (BM, BN, BK, num_warps, num_stages). BK must divide formats.grouped.TOKEN_ALIGN (64).
+ROWS_CONFIG = (128, 128, 64, 8, 3)
+TOKENS_CONFIG = (128, 128, 64, 8, 3)
+OPERAND_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_F32: tl.constexpr):
+    if DOT_F32:  # Triton's interpreter (numpy) has no BF16 product
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _alpha(amax_a_ptr, amax_b_ptr, g, E, HAS_ALPHA: tl.constexpr):
+    if HAS_ALPHA:
+        ok = g < E
+        a = _decode_scale(tl.load(amax_a_ptr + g, mask=ok, other=1.0))
+        b = _decode_scale(tl.load(amax_b_ptr + g, mask=ok, other=1.0))
+        return tl.where(ok, a * b, 1.0)
+    else:
+        return 1.0
+
+
+@triton.jit
+def _find_group(tile_ends_ptr, t, E, SEARCH_STEPS: tl.constexpr):
+    """The smallest g in [0, E] with tile_ends[g] > t (binary search over E + 1 entries)."""
+    lo = t * 0
+    hi = lo + E
+    for _ in tl.static_range(SEARCH_STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        right = tl.load(tile_ends_ptr + mid) <= t
+        lo, hi = tl.where(active & right, mid + 1, lo), tl.where(active & ~right, mid, hi)
+    return lo
+
+
+@triton.jit
+def _rows_kernel(
+    a_desc, b_desc, out_ptr, stride_om, offs_ptr, tile_ends_ptr, amax_a_ptr, amax_b_ptr,
+    M, N, K, E, num_pid_n,
+    HAS_ALPHA: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr, B_KMAJOR: tl.constexpr,
+    DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    t = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    if t < tl.load(tile_ends_ptr + E):
+        g = _find_group(tile_ends_ptr, t, E, SEARCH_STEPS)
+        first_tile = tl.load(tile_ends_ptr + g - 1, mask=g > 0, other=0)
+        start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+        end = tl.load(offs_ptr + g, mask=g < E, other=M)
+        r0 = start + (t - first_tile) * BM
+        n0 = pid_n * BN
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        # the group past offs[-1] (g == E) only stores zeros
+        k_tiles = tl.where(g < E, tl.cdiv(K, BK), 0)
+        if INTERPRET:
+            ki = 0
+            while ki < k_tiles:
+                a = a_desc.load([r0, ki * BK])
+                if B_KMAJOR:
+                    b = tl.reshape(b_desc.load([g, n0, ki * BK]), [BN, BK]).T
+                else:
+                    b = tl.reshape(b_desc.load([g, ki * BK, n0]), [BK, BN])
+                acc = _dot(a, b, acc, DOT_F32)
+                ki += 1
+        else:
+            for ki in range(k_tiles):
+                a = a_desc.load([r0, ki * BK])
+                if B_KMAJOR:
+                    b = tl.reshape(b_desc.load([g, n0, ki * BK]), [BN, BK]).T
+                else:
+                    b = tl.reshape(b_desc.load([g, ki * BK, n0]), [BK, BN])
+                acc = _dot(a, b, acc, DOT_F32)
+        alpha = _alpha(amax_a_ptr, amax_b_ptr, g, E, HAS_ALPHA)
+        acc = _mul_rn(acc, tl.broadcast_to(alpha, [BM, BN]), ASM)
+        rows = r0 + tl.arange(0, BM)
+        cols = n0 + tl.arange(0, BN)
+        mask = (rows < end)[:, None] & (cols < N)[None, :]
+        dst = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+        if OUT_BF16:
+            tl.store(dst, bf16_bits(round_to_bf16(acc)), mask=mask)
+        else:
+            tl.store(dst, acc, mask=mask)
+
+
+@triton.jit
+def _tokens_kernel(
+    a_desc, b_desc, out_desc, seg_ends_ptr, amax_a_ptr, amax_b_ptr, E, num_pid_m, num_pid_n,
+    HAS_ALPHA: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr, DOT_F32: tl.constexpr,
+    INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    per_group = num_pid_m * num_pid_n
+    g = pid // per_group
+    m0 = (pid % per_group) // num_pid_n * BM
+    n0 = (pid % num_pid_n) * BN
+    s0 = tl.load(seg_ends_ptr + g - 1, mask=g > 0, other=0)
+    s1 = tl.load(seg_ends_ptr + g)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if INTERPRET:
+        k = s0
+        while k < s1:
+            acc = _dot(a_desc.load([m0, k]), b_desc.load([n0, k]).T, acc, DOT_F32)
+            k += BK
+    else:
+        for k in range(s0, s1, BK):
+            acc = _dot(a_desc.load([m0, k]), b_desc.load([n0, k]).T, acc, DOT_F32)
+    alpha = _alpha(amax_a_ptr, amax_b_ptr, g, E, HAS_ALPHA)
+    acc = _mul_rn(acc, tl.broadcast_to(alpha, [BM, BN]), ASM)
+    if OUT_BF16:
+        out_desc.store([g, m0, n0], tl.reshape(bf16_bits(round_to_bf16(acc)), [1, BM, BN]))
+    else:
+        out_desc.store([g, m0, n0], tl.reshape(acc, [1, BM, BN]))
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    return TensorDescriptor.from_tensor(t, block)
+
+
+def _check_tma(name: str, t: torch.Tensor) -> None:
+    """TMA reads a tensor with unit stride in its last dim, 16-byte aligned base and strides."""
+    size = t.element_size()
+    ok = (
+        t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all((s * size) % 16 == 0 for s in t.stride()[:-1])
+    )
+    if not ok:
+        raise ValueError(
+            f"{name} {tuple(t.shape)} with strides {t.stride()} cannot be read by TMA: need unit "
+            "stride in the last dim and 16-byte aligned base and strides"
+        )
+
+
+@library_op("blockscale::grouped_gemm_rows", mutates_args=("out",))
+def _grouped_gemm_rows(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor,
+    amax_a: torch.Tensor | None,
+    amax_b: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    M, K = a.shape
+    E, N, _ = b.shape
+    bm, bn, bk, warps, stages = ROWS_CONFIG
+    b_kmajor = b.stride(2) == 1
+    b_read = b if b_kmajor else b.transpose(1, 2)
+    for name, t in (("a", a), ("b", b_read)):
+        _check_tma(name, t)
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1)).long()
+    tail = M - offs[-1:].long()
+    tile_ends = torch.cat(((sizes + bm - 1) // bm, (tail + bm - 1) // bm)).cumsum(0)
+    tile_ends = tile_ends.to(torch.int32)
+    num_pid_n = cdiv(N, bn)
+    tiles = (cdiv(M, bm) + E + 1) * num_pid_n
+    bf16 = out.dtype == torch.bfloat16
+    dst = out.view(torch.int16) if bf16 else out
+    a_desc = _descriptor(a, [bm, bk])
+    b_desc = _descriptor(b_read, [1, bn, bk] if b_kmajor else [1, bk, bn])
+    has_alpha = amax_a is not None
+    _rows_kernel[(tiles,)](
+        a_desc, b_desc, dst, out.stride(0), offs, tile_ends, amax_a if has_alpha else offs,
+        amax_b if has_alpha else offs, M, N, K, E, num_pid_n, HAS_ALPHA=has_alpha, OUT_BF16=bf16, ASM=not interpreting(),
+        B_KMAJOR=b_kmajor, DOT_F32=interpreting() or a.dtype == torch.float32,
+        INTERPRET=interpreting(), SEARCH_STEPS=(E + 1).bit_length(),
+        BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
+@_grouped_gemm_rows.op.register_fake
+def _(a, b, offs, amax_a, amax_b, out) -> None:
+    return None
+
+
+@library_op("blockscale::grouped_gemm_tokens", mutates_args=("out",))
+def _grouped_gemm_tokens(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    seg_ends: torch.Tensor,
+    amax_a: torch.Tensor | None,
+    amax_b: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    N, _ = a.shape
+    K = b.shape[0]
+    E = seg_ends.shape[0]
+    bm, bn, bk, warps, stages = TOKENS_CONFIG
+    for name, t in (("a", a), ("b", b), ("out", out)):
+        _check_tma(name, t)
+    bf16 = out.dtype == torch.bfloat16
+    dst = out.view(torch.int16) if bf16 else out
+    num_pid_m, num_pid_n = cdiv(N, bm), cdiv(K, bn)
+    has_alpha = amax_a is not None
+    if E:
+        _tokens_kernel[(E * num_pid_m * num_pid_n,)](
+            _descriptor(a, [bm, bk]), _descriptor(b, [bn, bk]), _descriptor(dst, [1, bm, bn]),
+            seg_ends, amax_a if has_alpha else seg_ends, amax_b if has_alpha else seg_ends, E,
+            num_pid_m, num_pid_n, HAS_ALPHA=has_alpha, OUT_BF16=bf16, ASM=not interpreting(),
+            DOT_F32=interpreting() or a.dtype == torch.float32, INTERPRET=interpreting(),
+            BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+
+
+@_grouped_gemm_tokens.op.register_fake
+def _(a, b, seg_ends, amax_a, amax_b, out) -> None:
+    return None
+
+
+def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dtype not in OPERAND_DTYPES or b.dtype != a.dtype:
+        raise ValueError(f"operands must be both BF16 (or both FP32), got {a.dtype} and {b.dtype}")
+
+
+def grouped_gemm_rows(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor,
+    amax: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """out [M, N]: rows of group e = a[rows of e] @ b[e].T * alpha_e (alpha from the two
+    per-group NVFP4 amax vectors in `amax`, None: 1); rows past offs[-1] are zero.
+    a [M, K] K-major, b [E, N, K] with unit stride along K or along N."""
+    _check_operands(a, b)
+    if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[2] or offs.shape != (b.shape[0],):
+        raise ValueError(
+            f"need a [M, K], b [E, N, K] and offs [E], got {tuple(a.shape)}, {tuple(b.shape)}, "
+            f"{tuple(offs.shape)}"
+        )
+    out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    amax_a, amax_b = (None, None) if amax is None else amax
+    _grouped_gemm_rows(a, b, offs, amax_a, amax_b, out)
+    return out
+
+
+def grouped_gemm_tokens(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    seg_ends: torch.Tensor,
+    amax: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """out [E, N, K]: out[e] = a[:, segment e] @ b[:, segment e].T * alpha_e, with a [N, P]
+    and b [K, P] in the token layout (segments end at `seg_ends`, multiples of 64)."""
+    _check_operands(a, b)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"need a [N, P] and b [K, P], got {tuple(a.shape)} and {tuple(b.shape)}")
+    out = torch.empty(seg_ends.shape[0], a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
+    amax_a, amax_b = (None, None) if amax is None else amax
+    _grouped_gemm_tokens(a, b, seg_ends, amax_a, amax_b, out)
+    return out
