@@ -17,7 +17,9 @@ the device. Elsewhere (the CPU) it loops over the groups with the offsets read o
 makes each group's product exactly as a per-expert `linear` would (the same call on the same
 shapes: a grad_weight group contracts its tokens padded to the block, not to the layout's 64),
 so the CPU result equals a loop of `linear` bit for bit. `native` is Blackwell's
-`scaled_grouped_mm` (gemm/native.py, unverified on hardware).
+`F.scaled_grouped_mm` (gemm/native_grouped.py, **unverified on hardware**), which writes BF16
+only: a grouped GEMM with another output dtype (grad_weight of FP32 master weights) stays
+emulated. `auto` picks native only where the native grouped GEMM can run.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from blockscale import _library
+from blockscale.formats import e2m1
 from blockscale.formats.mxfp8 import MXFP8Tensor
-from blockscale.formats.nvfp4 import NVFP4Tensor, decode_scale
-from blockscale.gemm import emulated
+from blockscale.formats.nvfp4 import BLOCK, NVFP4Tensor, decode_scale
+from blockscale.gemm import emulated, native
 from blockscale.gemm.dispatch import Backend, resolve_backend
 
 
@@ -58,6 +61,15 @@ class TransposedExperts:
 
     def dq(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return self.base.dq(dtype).transpose(-2, -1)
+
+    def materialize(self) -> NVFP4Tensor:
+        """The transposed codes and scales as a K-major container (what the native GEMM
+        reads): device ops only, no requantization."""
+        codes_t = self.base.codes().transpose(-2, -1)
+        tiles = self.base.scale[:, ::BLOCK]  # [E, N/16, K/16]: one scale per tile
+        scale_t = tiles.transpose(-2, -1).contiguous().repeat_interleave(BLOCK, dim=1)
+        return NVFP4Tensor(e2m1.pack(codes_t.contiguous()), scale_t, self.base.amax, self.shape,
+                           "16x16")  # fmt: skip
 
 
 Operand = NVFP4Tensor | MXFP8Tensor | TransposedExperts
@@ -101,11 +113,26 @@ def _group_product(a_dq, b_dq, amax, e: int, out_dtype: torch.dtype) -> torch.Te
     return acc.to(out_dtype)
 
 
-def _not_native(backend: Backend | str, op: Operand) -> None:
-    if resolve_backend(backend, _device(op)) is Backend.NATIVE:
-        raise NotImplementedError(
-            "the native (Blackwell) grouped GEMM is not wired yet; use backend='emulated'"
-        )
+def resolve_grouped_backend(backend: Backend | str, device: torch.device) -> Backend:
+    """The concrete backend for grouped GEMMs: `auto` is native only where the native grouped
+    GEMM can run (Blackwell and a PyTorch built with its kernels), else emulated; an explicit
+    `native` raises where it cannot run."""
+    resolved = resolve_backend(backend, device)
+    if resolved is Backend.NATIVE and not native.grouped_supported(device):
+        if Backend(backend) is Backend.NATIVE:
+            native.check_grouped_supported(device)
+        return Backend.EMULATED
+    return resolved
+
+
+def _native(a: Operand, b: Operand, offs: torch.Tensor) -> torch.Tensor:
+    """The native grouped GEMM (BF16 out; unverified on hardware, see gemm/native.py)."""
+    a, b = (op.materialize() if isinstance(op, TransposedExperts) else op for op in (a, b))
+    amax_a, amax_b = _amaxes(a, b) or (None, None)
+    return native.scaled_grouped_mm(
+        a.data.contiguous(), a.scale.contiguous(), b.data.contiguous(), b.scale.contiguous(),
+        offs, amax_a, amax_b,
+    )  # fmt: skip
 
 
 def grouped_mm_rows(
@@ -117,7 +144,9 @@ def grouped_mm_rows(
 ) -> torch.Tensor:
     """out [M, N] = per group a[rows of e] @ b[e].T * alpha_e; zero rows past offs[-1]."""
     _check(a, b)
-    _not_native(backend, a)
+    backend = resolve_grouped_backend(backend, _device(a))
+    if backend is Backend.NATIVE and out_dtype == torch.bfloat16:
+        return _native(a, b, offs)
     a_dq, b_dq = a.dq(_dq_dtype(a)), b.dq(_dq_dtype(a))
     amax = _amaxes(a, b)
     if _library.use_kernels(a_dq):
@@ -142,7 +171,9 @@ def grouped_mm_tokens(
     operands a [N, P] and b [K, P] (`seg_ends` the layout's segment ends; `offs` the groups'
     row ends and `block` the tokens' block size, read only by the CPU loop)."""
     _check(a, b)
-    _not_native(backend, a)
+    backend = resolve_grouped_backend(backend, _device(a))
+    if backend is Backend.NATIVE and out_dtype == torch.bfloat16:
+        return _native(a, b, seg_ends)
     a_dq, b_dq = a.dq(_dq_dtype(a)), b.dq(_dq_dtype(a))
     amax = _amaxes(a, b)
     if _library.use_kernels(a_dq):

@@ -47,8 +47,13 @@ from typing import Any
 import torch
 
 from blockscale.formats.grouped import TokenLayout, token_layout
-from blockscale.gemm.dispatch import Backend, resolve_backend
-from blockscale.gemm.grouped import TransposedExperts, grouped_mm_rows, grouped_mm_tokens
+from blockscale.gemm.dispatch import Backend
+from blockscale.gemm.grouped import (
+    TransposedExperts,
+    grouped_mm_rows,
+    grouped_mm_tokens,
+    resolve_grouped_backend,
+)
 from blockscale.ops.linear import output_dtype
 from blockscale.ops.linear import unsupported_reason as linear_unsupported_reason
 from blockscale.ops.quantize import (
@@ -196,6 +201,6 @@ def grouped_mm(
     reason = unsupported_reason(weight_t.shape[1], weight_t.shape[2], recipe)
     if reason is not None:
         raise ValueError(f"recipe {recipe.name} cannot run these experts: {reason}")
-    backend = resolve_backend(recipe.backend, input.device)
+    backend = resolve_grouped_backend(recipe.backend, input.device)
     dtype = out_dtype if out_dtype is not None else output_dtype(input)
     return _GroupedMM.apply(input, weight_t, offs, recipe, backend, dtype)

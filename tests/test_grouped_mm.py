@@ -1,0 +1,392 @@
+"""blockscale.grouped_mm against a loop of per-expert blockscale.linear calls.
+
+The contract (ops/grouped_mm.py): forward output, grad_input and grad_weight equal those of
+`linear(input[rows of e], weight[e], None, recipe)` for every expert e, with stochastic
+rounding off. Two implementations are checked against that loop:
+
+- the CPU reference path (formats/grouped.py + the per-group loop of gemm/grouped.py): equal
+  bit for bit, since every quantized operand is the same and each group's product is the
+  same CPU GEMM call on the same shapes and layouts;
+- the kernel path (kernels/grouped.py and kernels/grouped_gemm.py, in Triton's interpreter
+  here, on the GPU in the gpu tests): the per-group quantizations are bit-exact against
+  formats/grouped.py (checked directly below), and each GEMM equals the loop's up to the order
+  of its FP32 additions. Bound: a sum of n exact products in FP32 is within gamma_n * sum|terms|
+  of the exact sum (gamma_n = n u / (1 - n u), u = 2^-24), so two orders differ by at most
+  2 gamma_n * (alpha |A| @ |B|^T), plus one BF16/FP32 output rounding of the result. The test
+  uses the looser and simpler atol = 2 gamma_n * max|ref| * n / 4 on random data, which the
+  order differences measured here stay far below (and a wrong operand exceeds by orders of
+  magnitude).
+
+Groups: empty experts, one expert, groups of 1, 44 and 117 tokens, offs[-1] < M (rows past it
+must come out zero with zero gradient).
+"""
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import blockscale as bs
+from blockscale import _library, recipes
+from blockscale.formats import grouped as G
+from blockscale.gemm import grouped as gemm_grouped
+from blockscale.ops import linear
+
+pytest.importorskip("triton")
+
+RECIPES = {
+    "nvfp4": recipes.get("nvfp4", stochastic_rounding=False),
+    "nvfp4-1x16": recipes.get("nvfp4", stochastic_rounding=False, weight_2d=False),
+    "nvfp4_fwd_mxfp8_bwd": recipes.get("nvfp4_fwd_mxfp8_bwd"),
+    "mxfp8": recipes.get("mxfp8"),
+}
+# (group sizes, rows past offs[-1])
+GROUPINGS = {
+    "uneven-with-empty-and-tail": ([44, 0, 1, 117, 28], 10),
+    "one-expert": ([117], 0),
+    "all-empty-but-one": ([0, 0, 44, 0], 3),
+}
+ops_grouped = importlib.import_module("blockscale.ops.grouped_mm")
+
+
+def _offs(sizes):
+    return torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
+
+
+def _data(sizes, tail, k=64, n=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    m = sum(sizes) + tail
+    x = torch.randn(m, k, generator=g)
+    x[min(3, m - 1), 5] = 30.0  # an outlier, so block scales differ within a group
+    w = torch.randn(len(sizes), n, k, generator=g) * 0.1
+    grad = torch.randn(m, n, generator=g)
+    return x, w, grad, _offs(sizes)
+
+
+def _grouped_step(x, w, grad, offs, recipe):
+    x = x.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    out = bs.grouped_mm(x, w.transpose(-2, -1), offs, recipe)
+    out.backward(grad)
+    return out.detach(), x.grad, w.grad
+
+
+def _loop_step(x, w, grad, offs, recipe):
+    """The contract: a loop of per-expert linear calls on the reference path."""
+    x = x.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    outs, start = [], 0
+    for e, end in enumerate(offs.tolist()):
+        outs.append(linear(x[start:end], w[e], None, recipe))
+        start = end
+    out = torch.cat(outs)
+    out.backward(grad[:start])
+    return out.detach(), x.grad if x.grad is not None else torch.zeros_like(x), w.grad
+
+
+def _kernels_on(monkeypatch):
+    calls = []
+
+    def on_cpu_too(t):
+        calls.append(t.shape)
+        return True
+
+    monkeypatch.setattr(_library, "use_kernels", on_cpu_too)
+    return calls
+
+
+def _check_tail(out, gx, end):
+    assert (out[end:] == 0).all(), "rows past offs[-1] must be zero"
+    assert (gx[end:] == 0).all(), "rows past offs[-1] must get zero gradient"
+
+
+@pytest.mark.parametrize("grouping", list(GROUPINGS))
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_reference_path_equals_loop_of_linear(name, grouping):
+    sizes, tail = GROUPINGS[grouping]
+    x, w, grad, offs = _data(sizes, tail)
+    out, gx, gw = _grouped_step(x, w, grad, offs, RECIPES[name])
+    ref_out, ref_gx, ref_gw = _loop_step(x, w, grad, offs, RECIPES[name])
+    end = sum(sizes)
+    torch.testing.assert_close(out[:end], ref_out, atol=0, rtol=0)
+    torch.testing.assert_close(gx[:end], ref_gx[:end], atol=0, rtol=0)
+    torch.testing.assert_close(gw, ref_gw, atol=0, rtol=0)
+    _check_tail(out, gx, end)
+
+
+def _order_tolerance(ref, n):
+    gamma = n * 2.0**-24 / (1 - n * 2.0**-24)
+    return 2 * gamma * n / 4 * ref.abs().max().item() + 1e-30
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_kernel_path_equals_loop_of_linear(name, monkeypatch):
+    sizes, tail = GROUPINGS["uneven-with-empty-and-tail"]
+    x, w, grad, offs = _data(sizes, tail, k=64, n=64)
+    ref_out, ref_gx, ref_gw = _loop_step(x, w, grad, offs, RECIPES[name])
+    calls = _kernels_on(monkeypatch)
+    out, gx, gw = _grouped_step(x, w, grad, offs, RECIPES[name])
+    assert calls, "the kernel path was never taken"
+    end = sum(sizes)
+    k, n = x.shape[1], w.shape[1]
+    torch.testing.assert_close(out[:end], ref_out, atol=_order_tolerance(ref_out, k), rtol=0)
+    torch.testing.assert_close(gx[:end], ref_gx[:end], atol=_order_tolerance(ref_gx, n), rtol=0)
+    torch.testing.assert_close(gw, ref_gw, atol=_order_tolerance(ref_gw, max(sizes)), rtol=0)
+    _check_tail(out, gx, end)
+
+
+@pytest.mark.parametrize("hadamard", [False, True], ids=["plain", "hadamard"])
+def test_kernel_quantizations_equal_formats(hadamard):
+    """Both copies of a grouped activation and the expert weights, bit for bit."""
+    kg = _library.kernels()
+    sizes = [44, 0, 1, 117, 28]
+    x, w, _, offs = _data(sizes, 10, k=64, n=64)
+    x = x.bfloat16()
+    layout = G.token_layout(offs, x.shape[0])
+    (q_row, dq_row), (q_tok, dq_tok) = kg.nvfp4_quantize_grouped(
+        x, layout, rows="nearest", tokens="nearest", hadamard=hadamard, return_dq=(True, True)
+    )
+    ref_row = G.nvfp4_quantize_rows(x, offs)
+    ref_tok = G.nvfp4_quantize_tokens(x, offs, hadamard=hadamard)
+    end = sum(sizes)  # the kernels leave rows past offs[-1] unwritten
+    for got, want in (
+        (q_row.data[:end], ref_row.data[:end]),
+        (q_row.scale[:end].view(torch.uint8), ref_row.scale[:end].view(torch.uint8)),
+        (dq_row[:end], ref_row.dq()[:end]),
+        (q_row.amax, ref_row.amax),
+        (q_tok.data, ref_tok.data),
+        (q_tok.scale.view(torch.uint8), ref_tok.scale.view(torch.uint8)),
+        (dq_tok, ref_tok.dq()),
+        (q_tok.amax, ref_tok.amax),
+    ):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    (m_row, _), (m_tok, m_dq) = kg.mxfp8_quantize_grouped(x, layout, True, True, (True, True))
+    ref_mx = G.mxfp8_quantize_tokens(x, offs)
+    torch.testing.assert_close(
+        m_tok.data.view(torch.uint8), ref_mx.data.view(torch.uint8), atol=0, rtol=0
+    )
+    torch.testing.assert_close(
+        m_tok.scale.view(torch.uint8), ref_mx.scale.view(torch.uint8), atol=0, rtol=0
+    )
+    torch.testing.assert_close(m_dq, ref_mx.dq(), atol=0, rtol=0)
+    for block in ("16x16", "1x16"):
+        q, dq = kg.nvfp4_quantize_experts(w, block, return_dq=True)
+        ref = G.nvfp4_quantize_experts(w, block)
+        torch.testing.assert_close(q.data, ref.data, atol=0, rtol=0)
+        torch.testing.assert_close(dq, ref.dq(), atol=0, rtol=0)
+        torch.testing.assert_close(q.amax, ref.amax, atol=0, rtol=0)
+    q, dq = kg.nvfp4_quantize_experts_t(w, return_dq=True)
+    torch.testing.assert_close(
+        dq, G.nvfp4_quantize_experts(w, "1x16", transpose=True).dq(), atol=0, rtol=0
+    )
+
+
+def test_group_amax_propagates_nan_and_inf_per_group():
+    kg = _library.kernels()
+    x, _, _, offs = _data([20, 30, 14], 0, k=32)
+    x[25, 3] = float("inf")
+    x[40, 1] = float("nan")
+    layout = G.token_layout(offs, x.shape[0])
+    plain, had = kg.group_amax(x, layout, plain=True, hadamard=True)
+    assert plain[0].isfinite() and plain[1].isnan() and plain[2].isfinite()
+    torch.testing.assert_close(plain, G.group_amax(x, offs), atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(
+        had, G.group_amax(x, offs, hadamard_tokens=True), atol=0, rtol=0, equal_nan=True
+    )
+
+
+def test_token_layout_segments_start_on_64_and_hold_each_group():
+    offs = _offs([44, 0, 1, 117, 28])
+    layout = G.token_layout(offs, 200)
+    assert layout.seg_ends.tolist() == [64, 64, 128, 256, 320]
+    assert layout.capacity == G.token_capacity(200, 5) and layout.capacity % 64 == 0
+    src = layout.source.tolist()
+    assert src[:44] == list(range(44)) and set(src[44:64]) == {-1}
+    assert src[64] == 44 and src[128:245] == list(range(45, 162))
+    assert set(src[320:]) == {-1}
+    assert layout.group.tolist()[:64] == [0] * 64 and set(layout.group.tolist()[320:]) == {5}
+
+
+def test_bf16_recipe_is_torch_grouped_mm():
+    x, w, _, offs = _data([44, 0, 20], 0)
+    got = bs.grouped_mm(x, w.transpose(-2, -1), offs, recipes.get("bf16"))
+    want = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_nvfp4_output_is_a_quantization_of_the_bf16_product():
+    """Guards against a GEMM that skips quantization or alpha: the NVFP4 output differs from
+    the exact product by a quantization-sized amount (SQNR of two 4-bit operands: 8-20 dB)."""
+    x, w, _, offs = _data([60, 40, 28], 0)
+    got = bs.grouped_mm(x, w.transpose(-2, -1), offs, RECIPES["nvfp4"])
+    want = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    sqnr = 10 * torch.log10(want.square().sum() / (got - want).square().sum())
+    assert 8 < sqnr < 25, f"SQNR {sqnr:.1f} dB"
+
+
+def test_saves_only_packed_operands():
+    x, w, _, offs = _data([44, 20, 64], 0, k=64, n=64)
+    x.requires_grad_()
+    w.requires_grad_()
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        bs.grouped_mm(x, w.transpose(-2, -1), offs, recipes.get("nvfp4"))
+    floats = [t for t in saved if t.dtype in (torch.float32, torch.bfloat16) and t.numel() > 64]
+    assert not floats, f"high-precision tensors saved: {[tuple(t.shape) for t in floats]}"
+
+
+@pytest.mark.parametrize(
+    "offs, message",
+    [
+        (torch.tensor([10, 5, 40], dtype=torch.int32), "must not decrease"),
+        (torch.tensor([10, 20, 400], dtype=torch.int32), r"lie in \[0, M=128\]"),
+        (torch.tensor([10, 20, 40], dtype=torch.int64), "must be int32"),
+        (torch.tensor([10, 40], dtype=torch.int32), "one end row per expert"),
+        ([10, 20, 40], "torch.Tensor of int32"),
+    ],
+)
+def test_bad_offs_raise(offs, message):
+    x, w = torch.randn(128, 64), torch.randn(3, 64, 64)
+    with pytest.raises((ValueError, TypeError), match=message):
+        bs.grouped_mm(x, w.transpose(-2, -1), offs, RECIPES["nvfp4"])
+
+
+def test_dims_that_do_not_fit_raise():
+    x, w = torch.randn(16, 48), torch.randn(2, 64, 48)
+    with pytest.raises(ValueError, match="in_features=48 is not a multiple of 32"):
+        bs.grouped_mm(x, w.transpose(-2, -1), _offs([8, 8]), RECIPES["mxfp8"])
+
+
+def test_native_grouped_refused_off_blackwell():
+    x, w, _, offs = _data([8, 8], 0)
+    with pytest.raises(ValueError, match="backend='native'"):
+        bs.grouped_mm(x, w.transpose(-2, -1), offs, RECIPES["nvfp4"].with_backend("native"))
+
+
+def test_transposed_experts_is_exact():
+    w = torch.randn(3, 32, 48)
+    q = G.nvfp4_quantize_experts(w, "16x16")
+    t = gemm_grouped.TransposedExperts(q)
+    ref = torch.stack([G.nvfp4.quantize(w[e], block="16x16").t().dq() for e in range(3)])
+    torch.testing.assert_close(t.dq(torch.float32), ref.float(), atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _gpu_case(sizes, tail, k, n, dtype=torch.bfloat16):
+    x, w, grad, offs = _data(sizes, tail, k=k, n=n)
+    return x.cuda().to(dtype), w.cuda(), grad.cuda().to(dtype), offs.cuda()
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_gpu_equals_loop_of_linear_large(name):
+    sizes = [0, 1, 44, 117, 2048, 4000, 0, 1500]
+    x, w, grad, offs = _gpu_case(sizes, 77, k=1024, n=512)
+    out, gx, gw = _grouped_step(x, w, grad, offs, RECIPES[name])
+    ref_out, ref_gx, ref_gw = _loop_step(x, w, grad, offs, RECIPES[name])
+    end = sum(sizes)
+    # BF16 outputs: the loop's GEMM (the dense fused kernel) and the grouped kernel sum in
+    # different orders; one BF16 rounding step apart at most
+    for got, want in ((out[:end], ref_out), (gx[:end], ref_gx[:end])):
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-5, rtol=2**-7)
+    torch.testing.assert_close(gw, ref_gw, atol=1e-5, rtol=1e-4)
+    _check_tail(out, gx, end)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8"])
+def test_gpu_no_host_sync(name):
+    x, w, grad, offs = _gpu_case([300, 0, 17, 900], 33, k=512, n=256)
+    recipe = recipes.get(name)
+    x.requires_grad_()
+    w.requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = bs.grouped_mm(x, w.transpose(-2, -1), offs, recipe)
+        out.backward(grad)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isfinite(w.grad).all()
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_compiled_equals_eager():
+    x, w, grad, offs = _gpu_case([300, 0, 17, 900], 33, k=512, n=256)
+    recipe = RECIPES["nvfp4"]
+
+    def step(x, w):
+        x = x.detach().requires_grad_()
+        w = w.detach().requires_grad_()
+        out = bs.grouped_mm(x, w.transpose(-2, -1), offs, recipe)
+        out.backward(grad)
+        return out, x.grad, w.grad
+
+    eager = step(x, w)
+    compiled = torch.compile(step)(x, w)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_bad_offs_assert_on_device():
+    """A device-side assertion ends the CUDA context, so it runs in a process of its own."""
+    code = (
+        "import torch, blockscale as bs\n"
+        "x = torch.randn(16, 64, device='cuda', dtype=torch.bfloat16)\n"
+        "w = torch.randn(2, 64, 64, device='cuda')\n"
+        "offs = torch.tensor([10, 5], dtype=torch.int32, device='cuda')\n"
+        "bs.grouped_mm(x, w.transpose(-2, -1), offs, bs.recipes.get('nvfp4'))\n"
+        "torch.cuda.synchronize()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode != 0 and "offs must be non-decreasing" in done.stderr
+
+
+def test_native_backend_wiring_with_the_kernel_simulated(monkeypatch):
+    """The native dispatch (all three GEMMs, BF16 weights so grad_weight is BF16 too) with
+    F.scaled_grouped_mm replaced by the CPU simulation of tests/test_native_grouped_layout.py:
+    equal to the emulated path up to the FP32 summation order before the one BF16 rounding.
+    The kernel itself is unverified on hardware (no Blackwell here)."""
+    import torch.nn.functional as F
+
+    from blockscale.gemm import native
+    from blockscale.gemm import native_grouped as ng
+    from tests.test_native_grouped_layout import simulate_grouped_mm
+
+    sizes, tail = [44, 0, 1, 117, 28], 10
+    x, w, grad, offs = _data(sizes, tail, k=64, n=64)
+    x, w, grad = x.bfloat16(), w.bfloat16(), grad.bfloat16()
+    recipe = RECIPES["nvfp4"]
+    emulated = _grouped_step(x, w, grad, offs, recipe.with_backend("emulated"))
+    calls = []
+
+    def kernel(**args):
+        calls.append(args["mat_a"].shape)
+        return simulate_grouped_mm(args).to(torch.bfloat16)
+
+    monkeypatch.setattr(F, "scaled_grouped_mm", kernel)
+    monkeypatch.setattr(ng, "check_grouped_supported", lambda device: None)
+    monkeypatch.setattr(native, "grouped_supported", lambda device: True)
+    monkeypatch.setattr(native, "device_supports_native", lambda device: True)
+    got = _grouped_step(x, w, grad, offs, recipe.with_backend("native"))
+    assert len(calls) == 3, "forward, grad_input and grad_weight must all run natively"
+    for a, b in zip(got, emulated):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-6, rtol=2**-7)
+    _check_tail(got[0], got[1], sum(sizes))
