@@ -1,0 +1,231 @@
+"""Grouped GEMM forward + backward (a mixture-of-experts layer's experts): time and peak memory
+of each recipe as ratios to BF16 `torch._grouped_mm` in the same run, plus the per-group
+quantization kernels against the copy ceiling.
+
+One step is `y = grouped_mm(x, w.transpose(-2, -1), offs, recipe); y.backward(grad)` with
+BF16 x [M, K], expert weights w [E, N, K] (BF16 parameters) and grad [M, N], all three GEMMs
+running. BF16 is the same step through `torch._grouped_mm` (differentiable in PyTorch).
+Splits are uneven, with empty experts from 4 experts up: expert sizes are drawn from a fixed
+generator (Dirichlet-like, skewed), then expert 1 (and, at 64 experts, every 8th) gets 0
+tokens, and offs[-1] = M. Nothing is a multiple of 16, 32 or 128 unless by chance.
+
+Shapes (BENCHMARKS.md): DeepSeek-V3-like (K=7168, N=2048) and Llama-4-like (K=5120, N=8192),
+32768 and 65536 tokens, 1, 2, 4, 8 and 64 experts. `--kernels` adds the breakdown table: each
+per-group quantization kernel of a step alone (captured in a CUDA graph and replayed), its
+bytes (read + write, counted as in bench_quantize.py, plus 8 bytes a position for the layout)
+over its time, against the copy ceiling of the same run.
+
+    python benchmarks/bench_grouped_mm.py --json results/bench_grouped_mm_h100.json
+    python benchmarks/bench_grouped_mm.py --quick          # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
+if not torch.cuda.is_available():  # the CPU smoke test (--quick) runs Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import harness  # noqa: E402
+
+import blockscale as bs  # noqa: E402
+from blockscale import _library, recipes  # noqa: E402
+from blockscale.formats import grouped as G  # noqa: E402
+
+SHAPES = {"deepseek-v3": (7168, 2048), "llama-4": (5120, 8192)}
+TOKENS = [32768, 65536]
+EXPERTS = [1, 2, 4, 8, 64]
+QUICK = {"shapes": {"tiny": (64, 64)}, "tokens": [200], "experts": [1, 4]}
+RECIPES = ["bf16", "nvfp4", "nvfp4_fwd_mxfp8_bwd", "mxfp8"]
+
+
+def split(m: int, experts: int, seed: int = 0) -> list[int]:
+    """Uneven group sizes summing to m, with empty experts from 4 experts up."""
+    if experts == 1:
+        return [m]
+    g = torch.Generator().manual_seed(seed + experts)
+    weights = torch.rand(experts, generator=g) ** 3 + 0.05  # skewed
+    if experts >= 4:
+        weights[1] = 0
+    if experts >= 64:
+        weights[::8] = 0
+    sizes = (weights / weights.sum() * m).floor().long()
+    sizes[int(weights.argmax())] += m - int(sizes.sum())
+    return sizes.tolist()
+
+
+def grouped_step(recipe_name: str):
+    recipe = recipes.get(recipe_name)
+
+    def step(x: torch.Tensor, w: torch.nn.Parameter, offs: torch.Tensor, go: torch.Tensor):
+        w.grad = None
+        x.grad = None
+        if recipe.quantized:
+            out = bs.grouped_mm(x, w.transpose(-2, -1), offs, recipe)
+        else:
+            out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        out.backward(go)
+
+    return step
+
+
+def bench_case(
+    label: str, k: int, n: int, m: int, e: int, args: argparse.Namespace, device: torch.device
+) -> list[dict[str, Any]]:
+    bf = torch.bfloat16
+    sizes = split(m, e)
+    offs = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+    w = torch.nn.Parameter(torch.randn(e, n, k, device=device, dtype=bf) / k**0.5)
+    inputs = harness.rotating_inputs(
+        lambda: (
+            torch.randn(m, k, device=device, dtype=bf).requires_grad_(True),
+            w,
+            offs,
+            torch.randn(m, n, device=device, dtype=bf),
+        ),
+        2 * (m * k + m * n),
+        device,
+        max_sets=3,
+    )
+    rows = []
+    for name in args.recipes:
+        step = grouped_step(name)
+        timing = harness.time_fn(step, inputs, warmup=args.warmup, reps=args.reps, device=device)
+        peak = harness.peak_memory(lambda step=step: step(*inputs[0]), device)
+        rows.append(
+            {
+                "shape": label,
+                "K,N": f"{k},{n}",
+                "tokens": m,
+                "experts": e,
+                "empty": sum(s == 0 for s in sizes),
+                "recipe": name,
+                "ms": timing.median_ms,
+                "p20_ms": timing.p20_ms,
+                "p80_ms": timing.p80_ms,
+                "tflops": 6 * m * n * k / (timing.median_ms * 1e-3) / 1e12,
+                "peak_mib": None if peak is None else peak / 2**20,
+            }
+        )
+        print(f"  {label} M={m} E={e} {name}: {timing.median_ms:.3f} ms", flush=True)
+    base = rows[0]
+    for r in rows:
+        r["time_vs_bf16"] = r["ms"] / base["ms"]
+        r["mem_vs_bf16"] = None if r["peak_mib"] is None else r["peak_mib"] / base["peak_mib"]
+    return rows
+
+
+def kernel_rows(m: int, k: int, e: int, device: torch.device, args, copy_bps: float) -> list[dict]:
+    """Each per-group quantization kernel of a step alone, % of the copy ceiling."""
+    kg = _library.kernels()
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    offs = torch.tensor(split(m, e), dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+    layout = G.token_layout(offs, m)
+    p = layout.capacity
+    amax = tuple(a for a in kg.group_amax(x, layout, plain=True, hadamard=True))
+    nvfp4_copy = lambda rows, cols: rows * cols // 2 + rows * cols // 16  # noqa: E731
+    mx_copy = lambda rows, cols: rows * cols + rows * cols // 32  # noqa: E731
+    cases = {
+        "group amax (plain + Hadamard tokens)": (
+            lambda: kg.group_amax(x, layout, plain=True, hadamard=True),
+            2 * m * k,
+        ),
+        "nvfp4 fwd: rows+dq, Hadamard tokens": (
+            lambda: kg.nvfp4_quantize_grouped(
+                x, layout, "nearest", "nearest", True, (True, False), amax
+            ),
+            2 * m * k + nvfp4_copy(m, k) + 2 * m * k + nvfp4_copy(k, p),
+        ),
+        "nvfp4 bwd: rows SR+dq, Hadamard tokens SR+dq": (
+            lambda: kg.nvfp4_quantize_grouped(
+                x, layout, "stochastic", "stochastic", True, (True, True), amax
+            ),
+            2 * m * k + nvfp4_copy(m, k) + 2 * m * k + nvfp4_copy(k, p) + 2 * k * p,
+        ),
+        "mxfp8: rows+dq, tokens+dq": (
+            lambda: kg.mxfp8_quantize_grouped(x, layout, True, True, (True, True)),
+            2 * m * k + mx_copy(m, k) + 2 * m * k + mx_copy(k, p) + 2 * k * p,
+        ),
+    }
+    rows = []
+    for name, (fn, nbytes) in cases.items():
+        nbytes += 8 * p  # the layout: source and group of every position
+        if device.type == "cuda":
+            fn()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            timing = harness.time_fn(
+                graph.replay, warmup=args.warmup, reps=args.reps, device=device
+            )
+        else:
+            timing = harness.time_fn(fn, warmup=args.warmup, reps=args.reps, device=device)
+        bps = nbytes / (timing.median_ms * 1e-3)
+        rows.append(
+            {
+                "kernel": name,
+                "M,K,E": f"{m},{k},{e}",
+                "us": timing.median_ms * 1e3,
+                "GB/s": bps / 1e9,
+                "pct_copy": 100 * bps / copy_bps,
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser.add_argument("--recipes", nargs="+", default=RECIPES, choices=RECIPES)
+    parser.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES))
+    parser.add_argument("--tokens", nargs="+", type=int, default=None)
+    parser.add_argument("--experts", nargs="+", type=int, default=None)
+    parser.add_argument("--kernels", action="store_true", help="also the kernel breakdown table")
+    args = parser.parse_args(argv)
+    device = harness.pick_device(args.device)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    args.reps = args.reps if args.reps is not None else (2 if args.quick else 15)
+    args.recipes = ["bf16"] + [r for r in args.recipes if r != "bf16"]
+    shapes = QUICK["shapes"] if args.quick else {s: SHAPES[s] for s in args.shapes or SHAPES}
+    tokens = args.tokens or (QUICK["tokens"] if args.quick else TOKENS)
+    experts = args.experts or (QUICK["experts"] if args.quick else EXPERTS)
+
+    info = harness.banner(device)
+    copy_bps = harness.copy_bandwidth(device, 2**26 if args.quick else 2**30, reps=args.reps)
+    print(f"copy ceiling: {copy_bps / 1e12:.3g} TB/s (read + write)")
+    if device.type == "cuda":
+        print(
+            f"bf16 GEMM ceiling 8192^3: {harness.gemm_tflops(8192, 8192, 8192, device):.0f} TFLOP/s"
+        )
+    rows: list[dict[str, Any]] = []
+    kernels: list[dict[str, Any]] = []
+    if args.kernels:
+        for k, _ in shapes.values():
+            for m in tokens:
+                kernels += kernel_rows(m, k, 8 if not args.quick else 4, device, args, copy_bps)
+        harness.print_table(kernels, ["kernel", "M,K,E", "us", "GB/s", "pct_copy"])
+    for label, (k, n) in shapes.items():
+        for m in tokens:
+            for e in experts:
+                rows += bench_case(label, k, n, m, e, args, device)
+    harness.print_table(
+        rows,
+        ["shape", "K,N", "tokens", "experts", "empty", "recipe", "ms", "time_vs_bf16", "tflops",
+         "peak_mib", "mem_vs_bf16"],
+    )  # fmt: skip
+    if args.json:
+        record = {"benchmark": "grouped_mm", "banner": info, "copy_tbps": copy_bps / 1e12,
+                  "rows": rows, "kernels": kernels,
+                  "argv": sys.argv[1:] if argv is None else argv}  # fmt: skip
+        harness.write_json(args.json, record)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
