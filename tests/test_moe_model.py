@@ -3,7 +3,6 @@ reference, the load-balancing loss on a hand case, empty experts, gradients, no 
 synchronization, the layer policy, the CLI end to end, the expert telemetry and its report, and
 (GPU) a step under CUDA's sync debug mode."""
 
-import dataclasses
 import json
 import math
 
@@ -263,7 +262,7 @@ def test_cli_trains_moe_tiny_logging_aux_loss_and_tokens_per_expert(tmp_path):
     train_rows = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train_rows] == [3, 6]
     for r in train_rows:
-        assert 1.0 <= r["aux_loss"] < 4.0  # 1 when balanced, E=4 when collapsed
+        assert 0.9 < r["aux_loss"] < 4.0  # about 1 when balanced, E = 4 when collapsed
         assert list(r["expert_tokens"]) == ["layers.0.moe", "layers.1.moe"]
         # 3 steps x 4 sequences x 64 tokens, 2 experts each
         assert all(sum(c) == 3 * 4 * 64 * 2 for c in r["expert_tokens"].values())
@@ -426,5 +425,4 @@ def test_cuda_trains_moe_tiny_under_bf16_autocast(tmp_path, compile):
     summary = train(cfg, tmp_path / "run", progress=False)
     rows = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
     assert summary["status"] == "done" and rows[-1]["loss"] < rows[0]["loss"]
-    assert all(1.0 <= r["aux_loss"] < 4.0 for r in rows)
-    assert dataclasses.asdict(cfg)["aux_loss_coef"] == 0.01
+    assert all(0.9 < r["aux_loss"] < 4.0 for r in rows)
