@@ -180,6 +180,94 @@ def kernel_rows(m: int, k: int, e: int, device: torch.device, args, copy_bps: fl
     return rows
 
 
+def profile_case(k: int, n: int, m: int, e: int, names: list[str], device: torch.device) -> None:
+    """The GPU kernels of one step per recipe, by total time (torch.profiler), to see where a
+    step's time goes; printed, not recorded."""
+    bf = torch.bfloat16
+    offs = torch.tensor(split(m, e), dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+    w = torch.nn.Parameter(torch.randn(e, n, k, device=device, dtype=bf) / k**0.5)
+    x = torch.randn(m, k, device=device, dtype=bf).requires_grad_(True)
+    go = torch.randn(m, n, device=device, dtype=bf)
+    for name in names:
+        step = grouped_step(name)
+        for _ in range(3):
+            step(x, w, offs, go)
+        harness.synchronize(device)
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(5):
+                step(x, w, offs, go)
+            harness.synchronize(device)
+        print(f"profile K={k} N={n} M={m} E={e} {name} (5 steps):")
+        print(
+            prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=14, max_name_column_width=60
+            )
+        )
+
+
+GEMM_CONFIGS = [
+    (128, 128, 64, 8, 3),
+    (128, 256, 64, 8, 3),
+    (128, 256, 64, 8, 4),
+    (64, 256, 64, 4, 4),
+]
+
+
+def gemm_rows(k: int, n: int, m: int, e: int, device: torch.device, args) -> list[dict]:
+    """The grouped GEMMs alone (BF16 operands): cuBLAS/CUTLASS `torch._grouped_mm` against
+    the emulated kernels (with the per-group alpha) under each tile config."""
+    from blockscale.kernels import grouped_gemm as gg
+
+    defaults = gg.ROWS_CONFIG, gg.TOKENS_CONFIG
+    bf = torch.bfloat16
+    offs = torch.tensor(split(m, e), dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+    layout = G.token_layout(offs, m)
+    x = torch.randn(m, k, device=device, dtype=bf)
+    w = torch.randn(e, n, k, device=device, dtype=bf)
+    go = torch.randn(m, n, device=device, dtype=bf)
+    xt = torch.randn(k, layout.capacity, device=device, dtype=bf)
+    got = torch.randn(n, layout.capacity, device=device, dtype=bf)
+    amax = (torch.rand(e, device=device) + 1, torch.rand(e, device=device) + 1)
+    t = lambda fn: harness.time_fn(fn, warmup=args.warmup, reps=args.reps, device=device)  # noqa: E731
+    flop = 2 * m * n * k
+    cases = {
+        "torch bf16 output": lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs),
+        "torch bf16 grad_input": lambda: torch._grouped_mm(go, w, offs=offs),
+        "torch bf16 grad_weight": lambda: torch._grouped_mm(go.t(), x, offs=offs),
+    }
+    try:
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=offs, out_dtype=torch.float32)
+        cases["torch fp32-out output"] = lambda: torch._grouped_mm(
+            x, w.transpose(-2, -1), offs=offs, out_dtype=torch.float32
+        )
+    except RuntimeError as err:
+        print(f"torch._grouped_mm with out_dtype=float32: {str(err).splitlines()[0]}")
+    for cfg in GEMM_CONFIGS:
+        gg.ROWS_CONFIG = gg.TOKENS_CONFIG = cfg
+        c = ",".join(map(str, cfg))
+        cases[f"ours output {c}"] = lambda: gg.grouped_gemm_rows(x, w, offs, amax)
+        cases[f"ours grad_input {c}"] = lambda: gg.grouped_gemm_rows(
+            go, w.transpose(-2, -1), offs, amax
+        )
+        cases[f"ours grad_weight {c}"] = lambda: gg.grouped_gemm_tokens(
+            got, xt, layout.seg_ends, amax, torch.bfloat16
+        )
+        for name in (f"ours output {c}", f"ours grad_input {c}", f"ours grad_weight {c}"):
+            fn = cases.pop(name)
+            cases[name] = (cfg, fn)
+    rows = []
+    for name, fn in cases.items():
+        if isinstance(fn, tuple):
+            gg.ROWS_CONFIG = gg.TOKENS_CONFIG = fn[0]
+            fn = fn[1]
+        timing = t(fn)
+        rows.append({"gemm": name, "M,K,N,E": f"{m},{k},{n},{e}", "us": timing.median_ms * 1e3,
+                     "tflops": flop / (timing.median_ms * 1e-3) / 1e12})  # fmt: skip
+    gg.ROWS_CONFIG, gg.TOKENS_CONFIG = defaults
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = harness.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     parser.add_argument("--recipes", nargs="+", default=RECIPES, choices=RECIPES)
@@ -187,6 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", nargs="+", type=int, default=None)
     parser.add_argument("--experts", nargs="+", type=int, default=None)
     parser.add_argument("--kernels", action="store_true", help="also the kernel breakdown table")
+    parser.add_argument(
+        "--profile", action="store_true", help="only profile the first case's kernels per recipe"
+    )
+    parser.add_argument(
+        "--gemms", action="store_true", help="only the grouped GEMMs alone, per tile config"
+    )
     args = parser.parse_args(argv)
     device = harness.pick_device(args.device)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
@@ -203,6 +297,22 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"bf16 GEMM ceiling 8192^3: {harness.gemm_tflops(8192, 8192, 8192, device):.0f} TFLOP/s"
         )
+    if args.gemms:
+        out = []
+        for k, n in shapes.values():
+            for m in tokens:
+                for e in experts:
+                    out += gemm_rows(k, n, m, e, device, args)
+        harness.print_table(out, ["gemm", "M,K,N,E", "us", "tflops"])
+        if args.json:
+            harness.write_json(
+                args.json, {"benchmark": "grouped_gemms", "banner": info, "rows": out}
+            )
+        return 0
+    if args.profile:
+        k, n = next(iter(shapes.values()))
+        profile_case(k, n, tokens[0], experts[0], args.recipes, device)
+        return 0
     rows: list[dict[str, Any]] = []
     kernels: list[dict[str, Any]] = []
     if args.kernels:

@@ -197,6 +197,20 @@ def test_group_amax_propagates_nan_and_inf_per_group():
     )
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_dequantize_of_a_copy_with_no_tokens(fmt):
+    """A per-expert linear over 0 tokens saves a [K, 0] token copy; its `_dq` is [K, 0]."""
+    kg = _library.kernels()
+    x = torch.randn(0, 64)
+    q = (
+        kg.nvfp4_quantize(x, transpose=True)
+        if fmt == "nvfp4"
+        else kg.mxfp8_quantize(x, transpose=True)
+    )
+    dq = (kg.nvfp4_dequantize_dq if fmt == "nvfp4" else kg.mxfp8_dequantize_dq)(q)
+    assert dq.shape == (64, 0)
+
+
 def test_token_layout_segments_start_on_64_and_hold_each_group():
     offs = _offs([44, 0, 1, 117, 28])
     layout = G.token_layout(offs, 200)
@@ -390,3 +404,34 @@ def test_native_backend_wiring_with_the_kernel_simulated(monkeypatch):
     for a, b in zip(got, emulated):
         torch.testing.assert_close(a.float(), b.float(), atol=1e-6, rtol=2**-7)
     _check_tail(got[0], got[1], sum(sizes))
+
+
+def test_jit_kernels_call_helpers_by_plain_name():
+    """Inductor recompiles a triton_op's kernels from their source, resolving names in the
+    module's globals: a helper reached as a module attribute (`nvfp4._uniforms(...)`) compiled
+    in eager and failed under torch.compile on the GPU. No jit function may call through a
+    module other than `tl`."""
+    import ast
+    import inspect
+    import pkgutil
+    import types
+
+    from blockscale import kernels
+
+    checked, bad = 0, []
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"blockscale.kernels.{info.name}")
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            if not any("jit" in ast.unparse(d) for d in node.decorator_list):
+                continue
+            checked += 1
+            for call in ast.walk(node):
+                if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute):
+                    base = call.func.value
+                    if isinstance(base, ast.Name) and base.id != "tl":
+                        if isinstance(vars(module).get(base.id), types.ModuleType):
+                            bad.append(f"{info.name}.{node.name}: {ast.unparse(call.func)}")
+    assert checked > 20, f"only {checked} jit functions found"
+    assert not bad, bad

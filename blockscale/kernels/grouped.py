@@ -48,6 +48,8 @@ from blockscale.kernels._common import (
     philox_seed,
     relayout_16,
 )
+from blockscale.kernels.mxfp8 import _mx_tile, _store_mx, store_mx_rows
+from blockscale.kernels.nvfp4 import _quantize_tile, _store_quantized, _uniforms, store_rows
 
 # (BM, BK, num_warps) for the amax pass; the quantize passes use the dense kernels' TILES.
 AMAX_TILE = (64, 128, 4)
@@ -119,11 +121,11 @@ def _nvfp4_grouped_kernel(
         p = p0 + tl.arange(0, BM)
         g = tl.load(group_ptr + p, mask=p < P, other=E)
         s_dec, mult = nvfp4_global(tl.load(amax_row_ptr + g, mask=g < E, other=0.0))
-        u = nv._uniforms(seed_ptr, seed_ptr, p0, k0, P, K, 0, BM, BK, ROW_SR, False)
-        packed, scode, dq, _ = nv._quantize_tile(
+        u = _uniforms(seed_ptr, seed_ptr, p0, k0, P, K, 0, BM, BK, ROW_SR, False)
+        packed, scode, dq, _ = _quantize_tile(
             x.to(tl.float32), s_dec[:, None], mult[:, None], u, BM, BK, ROW_2D, ROW_SR, DQ_ROW
         )
-        nv.store_rows(packed, scode, dq, data_ptr, scale_ptr, dq_ptr, src, valid, k0, K, BK,
+        store_rows(packed, scode, dq, data_ptr, scale_ptr, dq_ptr, src, valid, k0, K, BK,
                       DQ_ROW)  # fmt: skip
     if COL:
         g_t = _block_groups(group_ptr, p0, P, E, BM)
@@ -132,24 +134,24 @@ def _nvfp4_grouped_kernel(
         mult_t = mult_t[None, :]
         # Philox counters past the row copy's, as in the dense kernel
         base = ((P + 15) // 16) * 16 * (K // 16)
-        u_t = nv._uniforms(seed_ptr, seed_ptr, k0, p0, K, P, base, BK, BM, COL_SR, False)
+        u_t = _uniforms(seed_ptr, seed_ptr, k0, p0, K, P, base, BK, BM, COL_SR, False)
         xt = tl.trans(x)
         if COL_HAD:
             vt = hadamard_16(xt, h_ptr, BK, BM, DOT_F32)
         else:
             vt = relayout_16(xt, BK, BM, DOT_F32)
-        packed_t, scode_t, dq_t, finite = nv._quantize_tile(
+        packed_t, scode_t, dq_t, finite = _quantize_tile(
             vt, s_dec_t, mult_t, u_t, BK, BM, False, COL_SR, DQ_COL
         )
         if COL_HAD or finite:
-            nv._store_quantized(packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
+            _store_quantized(packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
                                 k0, p0, K, P, BK, BM, DQ_COL)  # fmt: skip
         else:
             # Inf * 0 in the identity product made NaN: redo this tile from the plain transpose.
-            packed_t, scode_t, dq_t, _ = nv._quantize_tile(
+            packed_t, scode_t, dq_t, _ = _quantize_tile(
                 xt.to(tl.float32), s_dec_t, mult_t, u_t, BK, BM, False, COL_SR, DQ_COL
             )
-            nv._store_quantized(packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
+            _store_quantized(packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
                                 k0, p0, K, P, BK, BM, DQ_COL)  # fmt: skip
 
 
@@ -167,19 +169,19 @@ def _mxfp8_grouped_kernel(
         x_ptr, stride_m, stride_k, src_ptr, p0, k0, P, K, BM, BK, GATHER
     )
     if ROW:
-        byte, ecode, dq, _ = mx._mx_tile(x.to(tl.float32), BM, BK, HW_FP8)
-        mx.store_mx_rows(byte, ecode, dq, data_ptr, scale_ptr, dq_ptr, src, valid, k0, K, BK,
+        byte, ecode, dq, _ = _mx_tile(x.to(tl.float32), BM, BK, HW_FP8)
+        store_mx_rows(byte, ecode, dq, data_ptr, scale_ptr, dq_ptr, src, valid, k0, K, BK,
                          DQ_ROW)  # fmt: skip
     if COL:
         xt = tl.trans(x)
-        byte_t, ecode_t, dq_t, finite = mx._mx_tile(relayout_16(xt, BK, BM, DOT_F32), BK, BM,
+        byte_t, ecode_t, dq_t, finite = _mx_tile(relayout_16(xt, BK, BM, DOT_F32), BK, BM,
                                                     HW_FP8)  # fmt: skip
         if finite:
-            mx._store_mx(byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
+            _store_mx(byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
                          k0, p0, K, P, BK, BM, DQ_COL)  # fmt: skip
         else:
-            byte_t, ecode_t, dq_t, _ = mx._mx_tile(xt.to(tl.float32), BK, BM, HW_FP8)
-            mx._store_mx(byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
+            byte_t, ecode_t, dq_t, _ = _mx_tile(xt.to(tl.float32), BK, BM, HW_FP8)
+            _store_mx(byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
                          k0, p0, K, P, BK, BM, DQ_COL)  # fmt: skip
 
 
@@ -262,12 +264,18 @@ def _nvfp4_quantize_grouped_2d(
 
 @library_op("blockscale::mxfp8_quantize_grouped_2d", mutates_args=(), triton=True)
 def _mxfp8_quantize_grouped_2d(
-    x: torch.Tensor, source: torch.Tensor, row: bool, col: bool, dq_row: bool, dq_col: bool
+    x: torch.Tensor,
+    source: torch.Tensor | None,
+    row: bool,
+    col: bool,
+    dq_row: bool,
+    dq_col: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] walked through `source` -> the row copy ([M, K] E4M3 bytes, [M, K/32] E8M0
-    bytes, dq) and the token copy ([K, P], [K, P/32], dq); unused outputs are empty."""
+    """x [M, K] walked through `source` (None: its own rows) -> the row copy ([M, K] E4M3
+    bytes, [M, K/32] E8M0 bytes, dq) and the token copy ([K, P], [K, P/32], dq); unused
+    outputs are empty."""
     M, K = x.shape
-    P = source.shape[0]
+    P = source.shape[0] if source is not None else M
     dev = x.device
     dq_row, dq_col = dq_row and row, dq_col and col
     data, scale, dq_r = mx._outputs(M, K, dev, dq_row) if row else mx._outputs(0, 0, dev, False)
@@ -278,10 +286,10 @@ def _mxfp8_quantize_grouped_2d(
         )
         bm, bk, warps = mx.TILES[kind]
         torch.library.wrap_triton(_mxfp8_grouped_kernel)[(cdiv(P, bm), cdiv(K, bk))](
-            x, x.stride(0), x.stride(1), source, P, K,
+            x, x.stride(0), x.stride(1), source if source is not None else data, P, K,
             data, scale, dq_r.view(torch.int16), data_t, scale_t, dq_c.view(torch.int16),
             ROW=row, COL=col, DQ_ROW=dq_row, DQ_COL=dq_col, HW_FP8=not interpreting(),
-            GATHER=True, DOT_F32=dot_in_fp32(x), BM=bm, BK=bk, num_warps=warps,
+            GATHER=source is not None, DOT_F32=dot_in_fp32(x), BM=bm, BK=bk, num_warps=warps,
         )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c
 
@@ -297,6 +305,15 @@ def group_amax(
     E = layout.seg_ends.shape[0]
     out = _group_amax_2d(x, layout.source, layout.group, E, plain, hadamard)
     return (out[0] if plain else None), (out[1] if hadamard else None)
+
+
+def _expert_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w as [E*N, K] rows, each row's expert as int32, each expert's max |w| as FP32 [E]):
+    the amaxes from one read (the group amax kernel over the rows, no |w| temporary)."""
+    E, N, K = w.shape
+    rows = w.reshape(E * N, K)
+    group = torch.arange(E * N, device=w.device, dtype=torch.int32) // max(N, 1)
+    return rows, group, _group_amax_2d(rows, None, group, E, True, False)[0]
 
 
 def _nvfp4_grouped(data, scale, amax, shape, block, hadamard) -> NVFP4Tensor:
@@ -361,10 +378,7 @@ def nvfp4_quantize_grouped(
 def nvfp4_quantize_experts(w: torch.Tensor, block: str = "16x16", return_dq: bool = False):
     """Expert weights w [E, N, K] quantized along K, each expert with its own amax (one pass
     for the amaxes, one for the codes). formats.grouped.nvfp4_quantize_experts, fast."""
-    E, N, K = w.shape
-    w2 = w.reshape(E * N, K)
-    amax = w.abs().amax(dim=(1, 2)).float() if w.numel() else w.new_zeros(E, dtype=torch.float32)
-    group = torch.arange(E * N, device=w.device, dtype=torch.int32) // max(N, 1)
+    w2, group, amax = _expert_rows(w)
     data, scale, dq, *_ = _nvfp4_quantize_grouped_2d(
         w2, None, group, amax, amax, None, row=True, col=False, row_2d=block == "16x16",
         row_sr=False, col_sr=False, col_hadamard=False, dq_row=return_dq, dq_col=False,
@@ -377,9 +391,7 @@ def nvfp4_quantize_experts_t(w: torch.Tensor, return_dq: bool = False):
     """Expert weights w [E, N, K] quantized along N in 1x16 blocks, each expert with its own
     amax: the dgrad copy of a 1x16 recipe, as [E, K, N] (a strided view per expert)."""
     E, N, K = w.shape
-    w2 = w.reshape(E * N, K)
-    amax = w.abs().amax(dim=(1, 2)).float() if w.numel() else w.new_zeros(E, dtype=torch.float32)
-    group = torch.arange(E * N, device=w.device, dtype=torch.int32) // max(N, 1)
+    w2, group, amax = _expert_rows(w)
     *_, data_t, scale_t, dq_t = _nvfp4_quantize_grouped_2d(
         w2, None, group, amax, amax, None, row=False, col=True, row_2d=False,
         row_sr=False, col_sr=False, col_hadamard=False, dq_row=False, dq_col=return_dq,
@@ -414,15 +426,17 @@ def mxfp8_quantize_grouped(
 
 def mxfp8_quantize_experts(w: torch.Tensor, transpose: bool = False, return_dq: bool = False):
     """Expert weights w [E, N, K] in MXFP8 along K ([E, N, K]) or along N ([E, K, N], a
-    strided view per expert): the dense kernel over the [E*N, K] rows (blocks of 32 along N
-    never cross experts, N % 32 == 0)."""
+    strided view per expert): the [E*N, K] rows in one launch (blocks of 32 along N never
+    cross experts, N % 32 == 0; 64-bit offsets, since a stack of experts passes 2^31 values)."""
     E, N, K = w.shape
-    out = mx.mxfp8_quantize(w.reshape(E * N, K), transpose=transpose, return_dq=return_dq)
-    q, dq = out if return_dq else (out, None)
+    data, scale, dq, data_t, scale_t, dq_t = _mxfp8_quantize_grouped_2d(
+        w.reshape(E * N, K), None, not transpose, transpose, return_dq, return_dq
+    )
     if not transpose:
-        res = MXFP8Tensor(q.data.reshape(E, N, K), q.scale.reshape(E, N, K // 32), w.shape)
+        res = mx._container(data, scale, w.shape)
         return (res, dq.reshape(E, N, K)) if return_dq else res
+    q = mx._container(data_t, scale_t, torch.Size((K, E * N)))
     data = q.data.view(K, E, N).permute(1, 0, 2)
     scale = q.scale.view(K, E, N // 32).permute(1, 0, 2)
     res = MXFP8Tensor(data, scale, torch.Size((E, K, N)))
-    return (res, dq.view(K, E, N).permute(1, 0, 2)) if return_dq else res
+    return (res, dq_t.view(K, E, N).permute(1, 0, 2)) if return_dq else res

@@ -75,7 +75,7 @@ def _store_mx(
     byte, ecode, dq, data_ptr, scale_ptr, dq_ptr, r0, c0, n_rows, n_cols,
     R: tl.constexpr, C: tl.constexpr, DQ: tl.constexpr,
 ):  # fmt: skip
-    rows = r0 + tl.arange(0, R)
+    rows = (r0 + tl.arange(0, R)).to(tl.int64)  # (a stack of expert weights: > 2^31 values)
     store_mx_rows(byte, ecode, dq, data_ptr, scale_ptr, dq_ptr, rows, rows < n_rows, c0, n_cols,
                   C, DQ)  # fmt: skip
 
@@ -146,7 +146,7 @@ def _mxfp8_dequantize_kernel(
     as the reference's cast does (only values below 2^-133 round)."""
     r0 = tl.program_id(0) * BR
     c0 = tl.program_id(1) * BC
-    rows = r0 + tl.arange(0, BR)
+    rows = (r0 + tl.arange(0, BR)).to(tl.int64)
     cols = c0 + tl.arange(0, BC)
     m = (rows < R)[:, None] & (cols < C)[None, :]
     byte = tl.load(data_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0).to(tl.int32)
@@ -268,7 +268,8 @@ def mxfp8_quantize_both(x: torch.Tensor, return_dq: bool | tuple[bool, bool] = F
 def mxfp8_dequantize_dq(q: MXFP8Tensor) -> torch.Tensor:
     """The BF16 `_dq` operand (data * 2^e) of a saved MXFP8Tensor; equals q.dq()."""
     cols = q.shape[-1]
+    rows = q.shape[:-1].numel()  # (not -1: a tensor with no tokens has no values at all)
     # (a formats/ transpose=True container holds a transposed view: the kernel reads rows)
-    data = q.data.view(torch.uint8).reshape(-1, cols).contiguous()
-    scale = q.scale.view(torch.uint8).reshape(-1, cols // BLOCK).contiguous()
+    data = q.data.view(torch.uint8).reshape(rows, cols).contiguous()
+    scale = q.scale.view(torch.uint8).reshape(rows, cols // BLOCK).contiguous()
     return _mxfp8_dequantize_2d(data, scale).reshape(q.shape)

@@ -127,8 +127,9 @@ def _store_quantized(
     packed, scode, dq, data_ptr, scale_ptr, dq_ptr, r0, c0, n_rows, n_cols,
     R: tl.constexpr, C: tl.constexpr, DQ: tl.constexpr,
 ):  # fmt: skip
-    """Store one quantized [R, C] tile at (r0, c0) of an [n_rows, n_cols] logical tensor."""
-    rows = r0 + tl.arange(0, R)
+    """Store one quantized [R, C] tile at (r0, c0) of an [n_rows, n_cols] logical tensor.
+    (64-bit row offsets: a stack of expert weights passes 2^31 values.)"""
+    rows = (r0 + tl.arange(0, R)).to(tl.int64)
     store_rows(
         packed, scode, dq, data_ptr, scale_ptr, dq_ptr, rows, rows < n_rows, c0, n_cols, C, DQ
     )
@@ -248,7 +249,7 @@ def _nvfp4_dequantize_kernel(
     """Packed codes + E4M3 scales -> BF16 code * scale (the `_dq` operand)."""
     r0 = tl.program_id(0) * BR
     c0 = tl.program_id(1) * BC
-    rows = r0 + tl.arange(0, BR)
+    rows = (r0 + tl.arange(0, BR)).to(tl.int64)  # (a stack of expert weights: > 2^31 values)
     half = c0 // 2 + tl.arange(0, BC // 2)
     rmask = rows < R
     packed = tl.load(
@@ -503,6 +504,7 @@ def nvfp4_dequantize_dq(q: NVFP4Tensor) -> torch.Tensor:
     """The BF16 `_dq` operand (code * block scale, no global scale) of a saved NVFP4Tensor;
     equals q.dq()."""
     cols = q.shape[-1]
-    data = q.data.reshape(-1, cols // 2).contiguous()
-    scale = q.scale.view(torch.uint8).reshape(-1, cols // BLOCK).contiguous()
+    rows = q.shape[:-1].numel()  # (not -1: a tensor with no tokens has no values at all)
+    data = q.data.reshape(rows, cols // 2).contiguous()
+    scale = q.scale.view(torch.uint8).reshape(rows, cols // BLOCK).contiguous()
     return _nvfp4_dequantize_2d(data, scale).reshape(q.shape)
