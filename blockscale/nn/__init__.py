@@ -1,4 +1,5 @@
-"""nn/: the recipe-driven Linear module, convert(), the layer policy and the precision schedule."""
+"""nn/: the recipe-driven Linear and GroupedMM modules, convert(), the layer policy and the precision
+schedule."""
 
 from blockscale.nn.convert import (
     DEFAULT_BF16_NAMES,
@@ -8,10 +9,12 @@ from blockscale.nn.convert import (
     layer_policy,
     set_precision,
 )
+from blockscale.nn.experts import GroupedMM
 from blockscale.nn.linear import Linear
 
 __all__ = [
     "DEFAULT_BF16_NAMES",
+    "GroupedMM",
     "LayerPolicy",
     "Linear",
     "PrecisionSchedule",

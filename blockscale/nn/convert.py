@@ -1,19 +1,36 @@
-"""`convert(model, recipe)`: swap a model's linear layers for recipe-driven ones, from outside.
+"""`convert(model, recipe)`: make a model's linear layers and routed experts follow a recipe,
+from outside.
 
 The model code knows nothing of quantization. `convert` walks the module tree in post-order
-(children before their parent) and replaces every module whose type is exactly `nn.Linear`
-with a `blockscale.nn.Linear` that shares its Parameters, so optimizers, state_dict keys and
-tied weights are untouched. Subclasses of nn.Linear are left alone on purpose: their forward
-may not be a plain linear (e.g. attention's `NonDynamicallyQuantizableLinear` is read by weight,
-not called). A layer is skipped, and the log says why, when
+(children before their parent) and
 
-- `module_filter_fn(module, fqn)` returns False, or
-- its dims do not fit the recipe's blocks (e.g. in_features=100 with 16-wide NVFP4 blocks).
+- replaces every module whose type is exactly `nn.Linear` with a `blockscale.nn.Linear` that
+  shares its Parameters, so optimizers, state_dict keys and tied weights are untouched.
+  Subclasses of nn.Linear are left alone on purpose: their forward may not be a plain linear
+  (e.g. attention's `NonDynamicallyQuantizableLinear` is read by weight, not called);
+- routes the grouped GEMMs of every experts module (3D expert weights consumed by
+  `F.grouped_mm`: transformers 5.x's experts classes, `models/moe.py`'s `Experts`) to
+  `blockscale.nn.GroupedMM` modules, leaving its parameters as they are (`nn/experts.py` says
+  how and why).
 
-The log ends with "converted N of M linears".
+A linear layer or an experts module is skipped, and the log says why, when
+
+- `module_filter_fn(module, fqn)` returns False (experts modules are passed to it whole),
+- a weight's dims do not fit the recipe's blocks (e.g. in_features=100 with 16-wide NVFP4
+  blocks; an expert weight [E, N, K] is checked as a linear of K inputs and N outputs),
+- it is an MoE router: an nn.Linear beside an experts module whose output width is the number
+  of experts stays in high precision whatever the filter says (a quantized router moves tokens
+  between experts, an error of another kind than a noisy product). transformers' routers are
+  their own modules, not nn.Linear, and are never touched;
+- it is a transformers experts module set to another implementation than "grouped_mm" (only
+  grouped_mm calls are routed).
+
+The log ends with "converted N of M linears" (and "and X of Y expert weights" when the model
+has experts).
 
 `layer_policy(model)` builds the paper's filter (arXiv 2509.25149): keep the last ~15% of the
-transformer blocks in BF16, plus the LM head, embeddings and MoE router. It finds the blocks as
+transformer blocks in BF16 (their experts included), plus the LM head, embeddings and MoE
+router. It finds the blocks as
 the longest `nn.ModuleList` of same-typed modules (`layers`, `h`, `blocks`, ...), or the one
 named by `blocks`. The LM head is recognised by name or by an output width equal to an
 embedding's vocabulary.
@@ -32,7 +49,9 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from blockscale.nn.experts import experts_weights, route_grouped_mm
 from blockscale.nn.linear import Linear
+from blockscale.ops.grouped_mm import unsupported_reason as experts_unsupported_reason
 from blockscale.ops.linear import unsupported_reason
 from blockscale.recipes import Recipe
 
@@ -47,20 +66,28 @@ DEFAULT_BF16_NAMES = ("lm_head", "output", "head", "classifier", "*embed*", "*ro
 def convert(
     model: nn.Module, recipe: Recipe, module_filter_fn: ModuleFilter | None = None
 ) -> nn.Module:
-    """Swap `model`'s nn.Linear layers for `blockscale.nn.Linear(recipe)` in place; returns model.
+    """Make `model`'s nn.Linear layers `blockscale.nn.Linear(recipe)` and route its experts'
+    grouped GEMMs to `blockscale.nn.GroupedMM(recipe)`, in place; returns model.
 
-    `module_filter_fn(module, fqn) -> bool` picks the layers to convert (True converts);
-    `layer_policy(model)` builds the paper's. An already converted layer gets the new recipe.
-    A bare nn.Linear passed as `model` cannot be swapped in place: the converted layer is
-    returned instead.
+    `module_filter_fn(module, fqn) -> bool` picks the linears and experts modules to convert
+    (True converts); `layer_policy(model)` builds the paper's. An already converted layer or
+    experts module gets the new recipe. A bare nn.Linear passed as `model` cannot be swapped
+    in place: the converted layer is returned instead.
     """
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a blockscale Recipe, got {type(recipe).__name__}")
-    counts = {"total": 0, "converted": 0}
+    counts = {"total": 0, "converted": 0, "expert_total": 0, "expert_converted": 0}
     swapped: dict[int, nn.Module] = {}
 
-    def wants(module: nn.Module, fqn: str) -> bool:
+    def wants(module: nn.Module, fqn: str, n_experts: set[int]) -> bool:
         counts["total"] += 1
+        if module.out_features in n_experts:
+            logger.info(
+                "%s stays in high precision: router of the %d experts beside it",
+                fqn or "<root>",
+                module.out_features,
+            )
+            return False
         if module_filter_fn is not None and not module_filter_fn(module, fqn):
             logger.debug("%s stays in high precision (module_filter_fn)", fqn or "<root>")
             return False
@@ -71,31 +98,79 @@ def convert(
         counts["converted"] += 1
         return True
 
-    def swap(module: nn.Module, fqn: str) -> nn.Module:
+    def wanted_experts(module: nn.Module, fqn: str, weights: dict[str, nn.Parameter]) -> list[str]:
+        counts["expert_total"] += len(weights)
+        implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+        if implementation not in (None, "grouped_mm"):
+            logger.warning(
+                "%s stays in high precision: it runs experts_implementation=%r and only "
+                "grouped_mm calls are routed (build the model with "
+                "experts_implementation='grouped_mm')",
+                fqn or "<root>",
+                implementation,
+            )
+            return []
+        if module_filter_fn is not None and not module_filter_fn(module, fqn):
+            logger.debug("%s stays in high precision (module_filter_fn)", fqn or "<root>")
+            return []
+        # transformers marks experts stored as [E, K, N] with is_transposed; the usual is [E, N, K].
+        transposed = getattr(module, "is_transposed", False) is True
+        names = []
+        for name, weight in weights.items():
+            n, k = (weight.shape[2], weight.shape[1]) if transposed else weight.shape[1:]
+            reason = experts_unsupported_reason(k, n, recipe) if recipe.quantized else None
+            if reason is not None:
+                where = f"{fqn}.{name}" if fqn else name
+                logger.warning("%s stays in high precision: %s", where, reason)
+                continue
+            names.append(name)
+        counts["expert_converted"] += len(names)
+        return names
+
+    def swap(module: nn.Module, fqn: str, n_experts: set[int]) -> nn.Module:
+        weights = experts_weights(module)
+        if weights:
+            names = wanted_experts(module, fqn, weights)
+            return route_grouped_mm(module, recipe, names) if names else module
         if isinstance(module, Linear):
-            if wants(module, fqn):
+            if wants(module, fqn, n_experts):
                 module.recipe = recipe
             return module
-        if type(module) is nn.Linear and wants(module, fqn):
+        if type(module) is nn.Linear and wants(module, fqn, n_experts):
             return Linear.from_float(module, recipe)
         return module
 
     def visit(parent: nn.Module, prefix: str) -> None:
-        for name, child in list(parent.named_children()):
+        children = list(parent.named_children())
+        # The number of experts of each experts module among the children: a linear beside one
+        # with that many outputs is its router.
+        n_experts = {
+            next(iter(w.values())).shape[0]
+            for _, child in children
+            if (w := experts_weights(child))
+        }
+        for name, child in children:
             fqn = f"{prefix}.{name}" if prefix else name
             if id(child) in swapped:  # a module registered twice is converted once
                 setattr(parent, name, swapped[id(child)])
                 continue
             visit(child, fqn)
-            new = swap(child, fqn)
+            new = swap(child, fqn, n_experts)
             swapped[id(child)] = new
             if new is not child:
                 setattr(parent, name, new)
 
     visit(model, "")
-    model = swap(model, "")
+    model = swap(model, "", set())
+    experts = ""
+    if counts["expert_total"]:
+        experts = f" and {counts['expert_converted']} of {counts['expert_total']} expert weights"
     logger.info(
-        "converted %d of %d linears to recipe %s", counts["converted"], counts["total"], recipe.name
+        "converted %d of %d linears%s to recipe %s",
+        counts["converted"],
+        counts["total"],
+        experts,
+        recipe.name,
     )
     return model
 
@@ -121,8 +196,9 @@ def _find_blocks(model: nn.Module, blocks: str | None) -> tuple[str, int] | None
 
 @dataclass(frozen=True)
 class LayerPolicy:
-    """A `module_filter_fn`: True (convert) unless the layer is in a BF16 block or is named
-    like a head, embedding or router, or is an LM head by its vocabulary-sized output."""
+    """A `module_filter_fn`: True (convert) unless the layer (a linear or an experts module) is
+    in a BF16 block or is named like a head, embedding or router, or is an LM head by its
+    vocabulary-sized output."""
 
     blocks: str | None
     bf16_blocks: frozenset[int]
@@ -185,7 +261,8 @@ def layer_policy(
 
 def set_precision(model: nn.Module, enabled: bool) -> int:
     """Turn quantization of every converted layer on (True) or off (False: plain high-precision
-    F.linear). Returns how many layers were switched."""
+    F.linear, or torch._grouped_mm for experts). Returns how many modules were switched (one
+    per converted linear and one per converted expert weight)."""
     switched = 0
     for module in model.modules():
         if hasattr(module, "quantize_enabled"):

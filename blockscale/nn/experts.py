@@ -1,0 +1,337 @@
+"""Routing an experts module's grouped GEMMs to blockscale, from outside the model.
+
+Mixture-of-experts models (transformers 5.x with `experts_implementation="grouped_mm"`, and
+blockscale's own `models/moe.py`) keep their routed experts as 3D parameters, `gate_up_proj`
+[E, 2I, H] and `down_proj` [E, H, I], and multiply by them with `F.grouped_mm(x, w.transpose(-2,
+-1), offs=offs)` (or `torch._grouped_mm`). There is no module per GEMM to swap, so `convert`
+must catch the call itself. It does so in three parts:
+
+- `GroupedMM(recipe)`: a module with no parameters whose forward is
+  `blockscale.grouped_mm(input, weight_t, offs, recipe)`, or plain `torch._grouped_mm` when
+  `quantize_enabled` is False (the precision schedule's switch, as on `Linear`). A converted
+  experts module gets a child `grouped_mms` (an `nn.ModuleDict`) holding one per converted
+  weight, keyed by the parameter's name, so forward hooks on it see (input, weight_t, offs).
+- A `TorchFunctionMode` entered around the experts module's forward only. It follows each
+  converted parameter through the layout and dtype ops the forward applies to it (transpose,
+  `.to(bfloat16)`, ...: any op whose first argument is one and whose result is 3D) and sends a
+  grouped_mm whose weight is one of them to that parameter's `GroupedMM`. Every other call,
+  and every call outside the experts' forward, runs untouched.
+- The mode is entered by swapping the instance's class for a generated subclass (cached per
+  class, named `Blockscale<Class>`) whose forward runs the original forward inside it. Nothing
+  global is patched; other instances of the class are unaffected.
+
+Why a mode and not a weight wrapper tensor subclass (torchao's choice). The parameters stay
+exactly what they were: the same Parameter objects, names, dtypes and state_dict values, so an
+optimizer built before `convert` still steps them, checkpoints load either way, and FSDP2 (which
+swaps in unsharded Parameters around each forward) and a later low-precision all-gather meet
+plain tensors. The mode looks the parameters up by name on every forward, so it routes whatever
+tensor FSDP2 or `functional_call` has put there. A subclass would replace every Parameter and
+carry its dispatch into the optimizer step and the checkpoint; compiled, its `__torch_function__`
+is not consulted for grouped_mm (next paragraphs), and a `__torch_dispatch__` sees
+`aten._grouped_mm` only below autograd, where blockscale's backward cannot be put in.
+
+Why not transformers' experts registry (`ALL_EXPERTS_FUNCTIONS.register(...)`): it reaches only
+transformers' classes, a registered function must re-implement their experts forward (sorting,
+gating, biases, expert-parallel sentinels, which change between releases), and our own model
+would still need this mechanism. One mechanism serves both, and any other experts module that
+calls grouped_mm on its 3D parameters.
+
+torch.compile. Dynamo dispatches `__torch_function__` (of a mode or of a tensor subclass) only
+for the public overridable torch functions and for `torch.ops` overloads; `torch._grouped_mm`
+is neither, and `F.grouped_mm` is on torch's ignored list, so in a Dynamo-traced forward the call
+goes into the graph without the mode or a subclass ever seeing it (measured on torch 2.13: the
+mode sees the transpose, then plain `_grouped_mm` is traced). So the generated forward calls the
+original forward through `torch._dynamo.nonstrict_trace`: Dynamo puts one opaque call in its
+graph, and AOTAutograd then runs the forward as Python on fake tensors, where the C++ binding of
+`torch._grouped_mm` does consult the mode. The result is one graph (`fullgraph=True` works),
+Inductor compiles the experts' ops with the rest, and autograd sees blockscale's backward.
+The price: Dynamo does not look inside the experts forward, so a graph break or a
+data-dependent op there (a host read of `offs`, say) is an error instead of a break; the
+module's parameters and buffers are passed to the call explicitly (captured tensors would be
+constants); nothing read inside is guarded, so the generated forward reads the routing state
+(each `quantize_enabled`, each recipe, `training`) where Dynamo does guard it; the call is bound
+to its module by an identity-compared constant (as PyTorch's own nonstrict module inputs are),
+so compiling each block on its own recompiles once per block; and forward hooks on a `GroupedMM`
+run while the graph is traced, not at each compiled step.
+
+Eager costs one Python `__torch_function__` call per torch op inside the experts forward,
+microseconds against the GEMMs. A whole-module `torch.save(model)` cannot pickle the generated
+class (save the state_dict, which is unchanged). A converted weight that no grouped_mm consumed
+in a forward (e.g. transformers' `experts_implementation="eager"` switched on after `convert`)
+is reported with a warning rather than left silently in high precision.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from blockscale.ops.grouped_mm import grouped_mm
+from blockscale.recipes import Recipe
+
+# F.grouped_mm does not consult torch-function handlers today (its torch._grouped_mm call does);
+# should it start to, the router must catch it first, since the inner call then runs with the
+# mode off.
+GROUPED_MM_FUNCTIONS = (torch._grouped_mm, F.grouped_mm)
+
+# torch.nn's own modules whose weights are 3D for another reason than experts.
+_NOT_EXPERTS = (nn.Conv1d, nn.ConvTranspose1d, nn.Bilinear)
+
+
+class GroupedMM(nn.Module):
+    """`blockscale.grouped_mm` with a recipe, as a module with no parameters.
+
+    forward(input [M, K], weight_t [E, K, N], offs int32 [E]) -> [M, N]. With
+    `quantize_enabled` False it is exactly `torch._grouped_mm(input, weight_t, offs=offs)`.
+    """
+
+    def __init__(self, recipe: Recipe) -> None:
+        super().__init__()
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be a blockscale Recipe, got {type(recipe).__name__}")
+        self.recipe = recipe
+        self.quantize_enabled = True
+
+    def forward(
+        self,
+        input: torch.Tensor,
+        weight_t: torch.Tensor,
+        offs: torch.Tensor,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        if not self.quantize_enabled:
+            return torch._grouped_mm(input, weight_t, offs=offs, out_dtype=out_dtype)
+        return grouped_mm(input, weight_t, offs, self.recipe, out_dtype=out_dtype)
+
+    def extra_repr(self) -> str:
+        state = "" if self.quantize_enabled else ", quantize_enabled=False"
+        return f"recipe={self.recipe.name}{state}"
+
+
+def experts_weights(module: nn.Module) -> dict[str, nn.Parameter]:
+    """The routed-expert weights of `module` by name, or {} if it is not an experts module.
+
+    An experts module holds, directly, floating-point 3D parameters that share one leading
+    dim E >= 2 (the experts). That leaves out torch.nn's 3D-weight layers (Conv1d, Bilinear) and
+    3D embeddings such as a ViT's [1, N, D] position table.
+    """
+    if isinstance(module, _NOT_EXPERTS):
+        return {}
+    weights = {
+        name: p
+        for name, p in module._parameters.items()
+        if p is not None and p.dim() == 3 and p.is_floating_point()
+    }
+    n_experts = {p.shape[0] for p in weights.values()}
+    if len(n_experts) != 1 or n_experts.pop() < 2:
+        return {}
+    return weights
+
+
+def route_grouped_mm(module: nn.Module, recipe: Recipe, names: Iterable[str]) -> nn.Module:
+    """Route `module`'s grouped_mm calls on the 3D parameters `names` to `GroupedMM(recipe)`,
+    in place; returns module. On an already routed module, sets `recipe` on those names."""
+    names = list(names)
+    weights = experts_weights(module)
+    unknown = [name for name in names if name not in weights]
+    if unknown:
+        raise ValueError(
+            f"{type(module).__name__} has no 3D expert parameters {unknown} "
+            f"(its expert weights: {sorted(weights)})"
+        )
+    if "forward" in module.__dict__:
+        raise ValueError(
+            f"{type(module).__name__} has an instance-level forward (e.g. an accelerate hook), "
+            "which would bypass the routing: convert before adding it"
+        )
+    grouped_mms = module._modules.get("grouped_mms")
+    if grouped_mms is None:
+        if hasattr(module, "grouped_mms"):
+            raise ValueError(
+                f"{type(module).__name__} already has an attribute 'grouped_mms', "
+                "the name convert gives its GroupedMM modules"
+            )
+        grouped_mms = nn.ModuleDict()
+        module.add_module("grouped_mms", grouped_mms)
+    for name in names:
+        if name in grouped_mms:
+            grouped_mms[name].recipe = recipe
+        else:
+            grouped_mms[name] = GroupedMM(recipe)
+    if not isinstance(module, _RoutedExperts):
+        module._blockscale_experts = _ExpertsForward(module, type(module).forward)
+        module.__class__ = _routed_class(type(module))
+    return module
+
+
+class _ExpertsForward:
+    """One converted module and its class's own forward: what the compiled graph's opaque call
+    receives. A pytree constant (see `_nonstrict_run`) compared by identity, so each module
+    has its own guard, and `copy.deepcopy` of a model copies it along with its module."""
+
+    __slots__ = ("forward", "module")
+
+    def __init__(self, module: nn.Module, forward: Any) -> None:
+        self.module = module
+        self.forward = forward
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+class _RoutedExperts:
+    """Mixin of the generated classes: forward runs the original one under the router.
+
+    Compiled, this forward is what Dynamo traces and nothing inside the opaque call is
+    guarded, so the state the call depends on is read here and passed along: a flipped
+    `quantize_enabled` (set_precision), a new recipe (hashed field by field) or train/eval then
+    recompiles instead of replaying a stale graph.
+    """
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        state = (
+            self.training,
+            tuple((g.quantize_enabled, hash(g.recipe)) for g in self.grouped_mms.values()),
+        )
+        tensors = dict(self.named_parameters())
+        tensors.update(self.named_buffers())
+        return self._blockscale_run(self._blockscale_experts, state, tensors, args, kwargs)
+
+
+@functools.cache
+def _routed_class(cls: type[nn.Module]) -> type[nn.Module]:
+    return type(
+        f"Blockscale{cls.__name__}",
+        (_RoutedExperts, cls),
+        {"_blockscale_run": staticmethod(_nonstrict_run()), "__module__": __name__},
+    )
+
+
+@functools.cache
+def _nonstrict_run() -> Any:
+    """`_run_routed` as Dynamo must see it. Built at the first conversion, not on import:
+    importing torch._dynamo takes over a second."""
+    from torch._dynamo import nonstrict_trace
+
+    pytree.register_constant(_ExpertsForward)
+    return nonstrict_trace(_run_routed)
+
+
+def _run_routed(
+    experts: _ExpertsForward,
+    state: tuple,
+    tensors: dict[str, torch.Tensor],
+    args: tuple,
+    kwargs: dict,
+) -> Any:
+    """The original forward with `tensors` bound and grouped_mm routed. `state` is read by the
+    caller for Dynamo's guards (see `_RoutedExperts`); the modules hold the same values."""
+    module = experts.module
+    with _bound(module, tensors), _GroupedMMRouter(module) as router:
+        output = experts.forward(module, *args, **kwargs)
+    missing = [name for name in module.grouped_mms if name not in router.routed]
+    if missing:
+        warnings.warn(
+            f"{type(module).__name__}: converted expert weights {missing} were not consumed by "
+            "torch._grouped_mm / F.grouped_mm in this forward, so they ran unquantized "
+            "(blockscale routes only grouped_mm calls on the weight or a tensor computed from "
+            "it; for transformers models use experts_implementation='grouped_mm')",
+            stacklevel=2,
+        )
+    return output
+
+
+@contextmanager
+def _bound(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Make `tensors` (by qualified name) the module's parameters and buffers for a while.
+
+    Eagerly they are the module's own and nothing changes; in the compiled graph's call they are
+    the traced stand-ins, and reads of `self.<name>` must return those for gradients to flow."""
+    swapped = []
+    try:
+        for fqn, tensor in tensors.items():
+            prefix, _, name = fqn.rpartition(".")
+            owner = module.get_submodule(prefix)
+            slots = owner._parameters if name in owner._parameters else owner._buffers
+            if slots[name] is not tensor:
+                swapped.append((slots, name, slots[name]))
+                slots[name] = tensor
+        yield
+    finally:
+        for slots, name, old in reversed(swapped):
+            slots[name] = old
+
+
+def _grouped_mm_args(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[Any, ...]:
+    return mat_a, mat_b, offs, bias, out_dtype
+
+
+class _GroupedMMRouter(TorchFunctionMode):
+    """Sends grouped_mm calls whose weight was computed from a converted parameter to that
+    parameter's GroupedMM, for the duration of one experts forward."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.grouped_mms = module.grouped_mms
+        # id -> (parameter name, weak reference): the converted parameters and every 3D tensor
+        # computed from one in this forward. Weak, so a transient cast copy is freed as usual.
+        self.sources: dict[int, tuple[str, weakref.ref]] = {}
+        for name in self.grouped_mms:
+            self._track(getattr(module, name), name)
+        self.routed: set[str] = set()
+
+    def _track(self, tensor: torch.Tensor, name: str) -> None:
+        self.sources[id(tensor)] = (name, weakref.ref(tensor))
+
+    def _source(self, obj: Any) -> str | None:
+        entry = self.sources.get(id(obj))
+        if entry is None or entry[1]() is not obj:
+            return None
+        return entry[0]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in GROUPED_MM_FUNCTIONS:
+            return self._grouped_mm(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if args and isinstance(out, torch.Tensor) and out.dim() == 3:
+            name = self._source(args[0])
+            if name is not None:
+                self._track(out, name)
+        return out
+
+    def _grouped_mm(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+        input, weight_t, offs, bias, out_dtype = _grouped_mm_args(*args, **kwargs)
+        name = self._source(weight_t)
+        if name is None:
+            return func(*args, **kwargs)
+        if input.dim() != 2 or offs is None or bias is not None:
+            raise ValueError(
+                f"grouped_mm on the converted expert weight {name!r} must be input [M, K] @ "
+                f"weight_t [E, K, N] with offs and no bias; got input {tuple(input.shape)}, "
+                f"offs={'None' if offs is None else 'given'}, "
+                f"bias={'None' if bias is None else 'given'}"
+            )
+        self.routed.add(name)
+        if out_dtype is None:
+            return self.grouped_mms[name](input, weight_t, offs)
+        return self.grouped_mms[name](input, weight_t, offs, out_dtype=out_dtype)
