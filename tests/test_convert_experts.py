@@ -1,0 +1,488 @@
+"""convert() on mixture-of-experts models, reached from outside through their grouped_mm calls:
+an experts module with the names and call of `models/moe.py`'s (and transformers'), and tiny
+random-init transformers 5.x MoE models (Qwen3-MoE, OLMoE, Mixtral) when transformers is
+installed. Exact comparisons use NVFP4 without stochastic rounding.
+
+Why the relative-error bands below hold. NVFP4 quantization of Gaussian data has a relative RMS
+error of about 0.095 with 1x16 blocks and 0.11 with 16x16 weight tiles
+(`test_nvfp4_operand_error_behind_the_bands` measures them), so one GEMM with both operands
+quantized is off by about sqrt(0.095^2 + 0.11^2) = 0.15 (the two errors are independent). An
+expert multiplies two such outputs (SiLU(gate) * up: 0.15 * sqrt(2) = 0.21), then quantizes that
+product and the down weight for the second GEMM: sqrt(0.21^2 + 0.15^2) = 0.26, measured
+0.23-0.26 over three seeds and three models. The band is 0.15-0.35. In the logits the experts
+are one term of a residual stream that the embeddings dominate at random init (measured
+0.013-0.034); an unquantized path gives exactly 0 (the set_precision test), so the band there is
+1e-3 (quantization happened) to 0.1 (and nothing else did).
+"""
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import blockscale as bs
+import blockscale.nn as bsnn
+from blockscale import recipes
+from blockscale.models import build_model, model_config
+from blockscale.nn import experts as bs_experts
+
+RECIPE = recipes.get("nvfp4", stochastic_rounding=False)
+N_EXPERTS, DIM, HIDDEN = 4, 64, 64
+
+
+def rel_error(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+class Experts(nn.Module):
+    """The parameters and call of models/moe.py's Experts and transformers' experts classes."""
+
+    def __init__(self, n_experts=N_EXPERTS, dim=DIM, hidden_dim=HIDDEN, dtype=None, cast=None):
+        super().__init__()
+        gate_up_proj = torch.randn(n_experts, 2 * hidden_dim, dim, dtype=dtype) * dim**-0.5
+        self.gate_up_proj = nn.Parameter(gate_up_proj)
+        self.down_proj = nn.Parameter(torch.randn(n_experts, dim, hidden_dim, dtype=dtype) * 0.1)
+        self.cast = cast  # models/moe.py casts the weight views to BF16 on CUDA
+
+    def forward(self, x_sorted, offs):
+        gate_up_t = self.gate_up_proj.transpose(-2, -1)
+        down_t = self.down_proj.transpose(-2, -1)
+        if self.cast is not None:
+            gate_up_t, down_t = gate_up_t.to(self.cast), down_t.to(self.cast)
+        gate, up = F.grouped_mm(x_sorted, gate_up_t, offs=offs).chunk(2, dim=-1)
+        return F.grouped_mm(F.silu(gate) * up, down_t, offs=offs)
+
+
+class MoE(nn.Module):
+    """A linear router beside the experts, top-1 routing sorted on the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(DIM, N_EXPERTS, bias=False)
+        self.experts = Experts()
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        expert_ids, order = self.router(x).argmax(dim=-1).sort(stable=True)
+        ids = torch.arange(N_EXPERTS, dtype=expert_ids.dtype, device=x.device)
+        offs = torch.searchsorted(expert_ids, ids, right=True, out_int32=True)
+        out = self.experts(self.proj(x)[order], offs)
+        return torch.zeros_like(out).index_copy(0, order, out)
+
+
+def sorted_tokens(m=80, seed=0):
+    """Tokens grouped by expert: an empty group, groups not a multiple of 16, and rows past
+    offs[-1] (which must come out as zeros)."""
+    torch.manual_seed(seed)
+    return torch.randn(m, DIM), torch.tensor([0, 30, 47, 70], dtype=torch.int32)
+
+
+def expert_mlp_by_hand(x, offs, gate_up_proj, down_proj, recipe=RECIPE):
+    gate, up = bs.grouped_mm(x, gate_up_proj.transpose(-2, -1), offs, recipe).chunk(2, dim=-1)
+    return bs.grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs, recipe)
+
+
+def test_nvfp4_operand_error_behind_the_bands():
+    x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(0))
+    for block, expected in (("1x16", 0.095), ("16x16", 0.11)):
+        x_dq = bs.nvfp4.quantize(x, block=block).dequantize(torch.float32)
+        assert rel_error(x_dq, x) == pytest.approx(expected, abs=0.01)
+
+
+def test_convert_routes_experts_and_leaves_parameters_alone(caplog):
+    torch.manual_seed(0)
+    model = MoE()
+    params = dict(model.named_parameters())
+    keys = model.state_dict().keys()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # built before convert
+    with caplog.at_level(logging.INFO, logger="blockscale"):
+        assert bsnn.convert(model, RECIPE) is model
+    experts = model.experts
+    assert type(experts).__name__ == "BlockscaleExperts" and isinstance(experts, Experts)
+    assert list(experts.grouped_mms) == ["gate_up_proj", "down_proj"]
+    assert all(
+        isinstance(g, bsnn.GroupedMM) and g.recipe is RECIPE for g in experts.grouped_mms.values()
+    )
+    assert dict(model.named_parameters()) == params and model.state_dict().keys() == keys
+    # The router stays an nn.Linear without any filter: it feeds as many outputs as experts.
+    assert type(model.router) is nn.Linear and isinstance(model.proj, bsnn.Linear)
+    assert "router stays in high precision: router of the 4 experts beside it" in caplog.text
+    assert "converted 1 of 2 linears and 2 of 2 expert weights to recipe nvfp4" in caplog.text
+    x = torch.randn(64, DIM)
+    model(x).square().sum().backward()
+    optimizer.step()  # the optimizer still holds the live parameters
+    assert experts.gate_up_proj.grad.abs().sum() > 0
+
+
+def test_converted_experts_equal_blockscale_grouped_mm_by_hand():
+    torch.manual_seed(0)
+    experts = Experts()
+    reference = copy.deepcopy(experts)
+    bsnn.convert(experts, RECIPE)
+    seen = []
+    for name, g in experts.grouped_mms.items():
+        g.register_forward_hook(lambda m, args, out, name=name: seen.append((name, args)))
+    x, offs = sorted_tokens()
+    x_by_hand = x.clone().requires_grad_(True)
+    x = x.requires_grad_(True)
+    out = experts(x, offs)
+    by_hand = expert_mlp_by_hand(x_by_hand, offs, reference.gate_up_proj, reference.down_proj)
+    assert torch.equal(out, by_hand)
+    assert (out[70:] == 0).all()
+    grad_output = torch.randn_like(out)
+    out.backward(grad_output)
+    by_hand.backward(grad_output)
+    assert torch.equal(x.grad, x_by_hand.grad)
+    assert torch.equal(experts.gate_up_proj.grad, reference.gate_up_proj.grad)
+    assert torch.equal(experts.down_proj.grad, reference.down_proj.grad)
+    # Telemetry's view: the hooks see (input, weight_t, offs), weight_t a view of the parameter.
+    assert [name for name, _ in seen] == ["gate_up_proj", "down_proj"]
+    assert seen[0][1][1]._base is experts.gate_up_proj and seen[0][1][2] is offs
+    # Against the high-precision experts: quantized, by the amount the module docstring derives.
+    # (torch._grouped_mm leaves the rows past offs[-1] unwritten.)
+    assert 0.15 < rel_error(out[:70], reference(x, offs)[:70]) < 0.35
+
+
+def test_weights_cast_before_the_grouped_mm_are_routed():
+    """models/moe.py casts FP32 weight views to BF16 before F.grouped_mm (on CUDA): the cast
+    copy is traced back to its parameter, and the FP32 parameter gets the gradient."""
+    torch.manual_seed(0)
+    experts = Experts(cast=torch.bfloat16)
+    reference = copy.deepcopy(experts)
+    bsnn.convert(experts, RECIPE)
+    x, offs = sorted_tokens()
+    x = x.bfloat16()
+    out = experts(x, offs)
+    gate_up_t = reference.gate_up_proj.transpose(-2, -1).to(torch.bfloat16)
+    down_t = reference.down_proj.transpose(-2, -1).to(torch.bfloat16)
+    gate, up = bs.grouped_mm(x, gate_up_t, offs, RECIPE).chunk(2, dim=-1)
+    assert torch.equal(out, bs.grouped_mm(F.silu(gate) * up, down_t, offs, RECIPE))
+    out.float().sum().backward()
+    assert experts.down_proj.grad.dtype == torch.float32 and experts.down_proj.grad.abs().sum() > 0
+
+
+def test_set_precision_gives_the_unconverted_experts_and_reconvert_sets_the_recipe():
+    torch.manual_seed(0)
+    model = MoE()
+    reference = copy.deepcopy(model)
+    bsnn.convert(model, RECIPE)
+    x = torch.randn(64, DIM)
+    assert not torch.equal(model(x), reference(x))
+    assert bsnn.set_precision(model, False) == 1 + 2  # proj, and one GroupedMM per weight
+    assert torch.equal(model(x), reference(x))
+    assert "quantize_enabled=False" in repr(model.experts.grouped_mms["down_proj"])
+    bf16 = bsnn.convert(copy.deepcopy(reference), recipes.get("bf16"))
+    assert list(bf16.experts.grouped_mms) == ["gate_up_proj", "down_proj"]
+    assert torch.equal(bf16(x), reference(x))
+    bsnn.set_precision(model, True)
+    mxfp8 = recipes.get("mxfp8")
+    bsnn.convert(model, mxfp8)
+    assert type(model.experts).__name__ == "BlockscaleExperts"  # not wrapped twice
+    assert all(g.recipe is mxfp8 for g in model.experts.grouped_mms.values())
+    x_sorted, offs = sorted_tokens()
+    by_hand = expert_mlp_by_hand(
+        x_sorted, offs, model.experts.gate_up_proj, model.experts.down_proj, mxfp8
+    )
+    assert torch.equal(model.experts(x_sorted, offs), by_hand)
+
+
+def test_expert_weights_that_do_not_fit_the_blocks_stay_high_precision(caplog):
+    experts = Experts(hidden_dim=40)  # down_proj [E, 64, 40]: K=40 is not a multiple of 16
+    with caplog.at_level(logging.INFO, logger="blockscale"):
+        bsnn.convert(experts, RECIPE)
+    assert list(experts.grouped_mms) == ["gate_up_proj"]
+    assert (
+        "down_proj stays in high precision: in_features=40 is not a multiple of 16" in caplog.text
+    )
+    assert "converted 0 of 0 linears and 1 of 2 expert weights" in caplog.text
+    x, offs = sorted_tokens()
+    out = experts(x, offs)  # down_proj runs through torch._grouped_mm as the model wrote it
+    gate, up = bs.grouped_mm(x, experts.gate_up_proj.transpose(-2, -1), offs, RECIPE).chunk(2, -1)
+    expected = torch._grouped_mm(F.silu(gate) * up, experts.down_proj.transpose(-2, -1), offs=offs)
+    assert torch.equal(out[:70], expected[:70])  # torch._grouped_mm leaves rows past offs[-1]
+
+
+def test_what_is_not_an_experts_module():
+    assert bs_experts.experts_weights(nn.Conv1d(16, 16, 3)) == {}
+    vit_embeddings = nn.Module()
+    vit_embeddings.position_embeddings = nn.Parameter(torch.zeros(1, 256, 64))
+    assert bs_experts.experts_weights(vit_embeddings) == {}
+    model = nn.Sequential(nn.Conv1d(16, 16, 3), vit_embeddings)
+    bsnn.convert(model, RECIPE)
+    assert type(model[0]) is nn.Conv1d and not hasattr(vit_embeddings, "grouped_mms")
+
+
+def test_unrouted_weights_warn_and_unsupported_calls_raise():
+    class LoopedDown(Experts):
+        """down_proj through a per-expert loop, not grouped_mm: it cannot be routed."""
+
+        def forward(self, x_sorted, offs):
+            h = F.grouped_mm(x_sorted, self.gate_up_proj.transpose(-2, -1), offs=offs)
+            h = F.silu(h[:, :HIDDEN]) * h[:, HIDDEN:]
+            ends = offs.tolist()
+            starts = [0, *ends[:-1]]
+            return torch.cat(
+                [h[s:e] @ self.down_proj[i].T for i, (s, e) in enumerate(zip(starts, ends))]
+            )
+
+    experts = bsnn.convert(LoopedDown(), RECIPE)
+    x, offs = sorted_tokens()
+    with pytest.warns(
+        UserWarning, match=r"converted expert weights \['down_proj'\] were not consumed"
+    ):
+        experts(x[:70], offs)
+
+    class WithBias(Experts):
+        def forward(self, x_sorted, offs):
+            bias = torch.zeros(2 * HIDDEN)
+            return torch._grouped_mm(x_sorted, self.gate_up_proj.transpose(-2, -1), offs, bias)
+
+    with pytest.raises(ValueError, match="'gate_up_proj' must be input .* no bias; .*bias=given"):
+        bsnn.convert(WithBias(), RECIPE)(x, offs)
+    with pytest.raises(ValueError, match=r"has no 3D expert parameters \['up_proj'\]"):
+        bs_experts.route_grouped_mm(Experts(), RECIPE, ["up_proj"])
+
+
+def test_module_filter_sees_experts_and_deepcopy_routes_the_copy():
+    model = MoE()
+    seen = []
+    bsnn.convert(model, RECIPE, module_filter_fn=lambda m, fqn: seen.append(fqn) or fqn != "proj")
+    assert seen == ["experts", "proj"]  # the router is decided before the filter
+    copied = copy.deepcopy(model)
+    calls = []
+    copied.experts.grouped_mms["gate_up_proj"].register_forward_hook(lambda *a: calls.append(1))
+    model.experts.grouped_mms["gate_up_proj"].register_forward_hook(lambda *a: calls.append(0))
+    copied(torch.randn(64, DIM))
+    assert calls == [1]
+    assert copied.experts.gate_up_proj is not model.experts.gate_up_proj
+
+
+def test_layer_policy_keeps_the_tail_blocks_experts_bf16(caplog):
+    net = nn.Module()
+    net.layers = nn.ModuleList(MoE() for _ in range(7))  # 15% of 7 rounds to 1 block
+    with caplog.at_level(logging.INFO, logger="blockscale"):
+        bsnn.convert(net, RECIPE, module_filter_fn=bsnn.layer_policy(net))
+    routed = [i for i, block in enumerate(net.layers) if hasattr(block.experts, "grouped_mms")]
+    assert routed == [0, 1, 2, 3, 4, 5]
+    assert type(net.layers[6].experts) is Experts
+    assert "converted 6 of 14 linears and 12 of 14 expert weights" in caplog.text
+
+
+@pytest.mark.xfail(
+    reason="ops.grouped_mm reads offs on the host for quantized recipes on the CPU, which "
+    "AOTAutograd cannot trace inside the experts' compiled call (docs/RECIPES.md, Mixture of "
+    "experts); passes once it is traceable there",
+    raises=torch._dynamo.exc.UserError,
+)
+def test_compiled_quantized_experts_equal_eager():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = bsnn.convert(MoE().bfloat16(), RECIPE)
+    x = torch.randn(64, DIM, dtype=torch.bfloat16)
+    eager = model(x)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(compiled, eager)
+
+
+def test_blockscale_moe_model_converts():
+    """models/moe.py's MoETransformer (moe-tiny: 2 blocks, 4 experts, a shared expert)."""
+    torch.manual_seed(0)
+    model = build_model(model_config("moe-tiny", seq_len=32))
+    reference = copy.deepcopy(model)
+    bsnn.convert(model, RECIPE, module_filter_fn=bsnn.layer_policy(model))
+    head, tail = (layer.moe for layer in model.layers)
+    assert list(head.experts.grouped_mms) == ["gate_up_proj", "down_proj"]
+    assert type(tail.experts) is type(reference.layers[1].moe.experts)  # the BF16 tail block
+    assert type(head.router) is nn.Linear and isinstance(head.shared_expert.w13, bsnn.Linear)
+    captured = []
+    for g in head.experts.grouped_mms.values():
+        g.register_forward_hook(lambda m, args, out: captured.append((args, out)))
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    logits = model(tokens)
+    assert captured[0][0][1]._base is head.experts.gate_up_proj
+    assert captured[1][0][1]._base is head.experts.down_proj
+    for (input, weight_t, offs), out in captured:
+        assert torch.equal(out, bs.grouped_mm(input, weight_t, offs, RECIPE))
+    assert 1e-3 < rel_error(logits, reference(tokens)) < 0.3
+    bsnn.set_precision(model, False)
+    assert torch.equal(model(tokens), reference(tokens))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_compiled_quantized_experts_equal_eager():
+    """On CUDA ops.grouped_mm reads offs on the device, so the experts' compiled call traces."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = bsnn.convert(MoE().cuda(), RECIPE)
+    x = torch.randn(256, DIM, device="cuda")
+    results = []
+    for run in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
+        model.zero_grad(set_to_none=True)
+        out = run(x)
+        out.float().square().sum().backward()
+        results.append((out, model.experts.gate_up_proj.grad, model.experts.down_proj.grad))
+    for eager, compiled in zip(*results):
+        assert torch.equal(compiled, eager)
+    torch._dynamo.reset()
+
+
+# transformers 5.x models. Each test imports transformers itself, so the tests above run
+# without it.
+
+HF_KINDS = ("qwen3_moe", "olmoe", "mixtral")
+
+
+def hf_model(kind, n_layers=2, implementation="grouped_mm", seed=0):
+    transformers = pytest.importorskip("transformers")
+    common = dict(
+        vocab_size=256,
+        hidden_size=DIM,
+        num_hidden_layers=n_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        num_experts_per_tok=2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        experts_implementation=implementation,
+    )
+    if kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            intermediate_size=128, moe_intermediate_size=HIDDEN, num_experts=N_EXPERTS, **common
+        )
+    elif kind == "olmoe":
+        config = transformers.OlmoeConfig(intermediate_size=HIDDEN, num_experts=N_EXPERTS, **common)
+    else:
+        config = transformers.MixtralConfig(
+            intermediate_size=HIDDEN, num_local_experts=N_EXPERTS, **common
+        )
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def hf_pair(kind, **kwargs):
+    model = hf_model(kind, **kwargs)
+    reference = copy.deepcopy(model)
+    return model, reference
+
+
+def moe_blocks(model):
+    return [layer.mlp for layer in model.model.layers]
+
+
+@pytest.mark.parametrize("kind", HF_KINDS)
+def test_hf_experts_are_quantized_and_routers_untouched(kind, caplog):
+    model, reference = hf_pair(kind)
+    assert model.config._experts_implementation == "grouped_mm"
+    params = dict(model.named_parameters())
+    routers = [(block.gate, type(block.gate), block.gate.weight) for block in moe_blocks(model)]
+    policy = bsnn.layer_policy(model)
+    with caplog.at_level(logging.INFO, logger="blockscale"):
+        # Experts only, so that the logits' error is theirs (the band in the module docstring).
+        bsnn.convert(
+            model, RECIPE, module_filter_fn=lambda m, fqn: policy(m, fqn) and "experts" in fqn
+        )
+    assert "converted 0 of 9 linears and 2 of 4 expert weights to recipe nvfp4" in caplog.text
+    head, tail = (block.experts for block in moe_blocks(model))
+    assert type(head).__name__.startswith("Blockscale") and list(head.grouped_mms) == [
+        "gate_up_proj",
+        "down_proj",
+    ]
+    assert not type(tail).__name__.startswith("Blockscale")  # layers.1 is the BF16 tail
+    assert dict(model.named_parameters()) == params
+    for block, (router, router_type, weight) in zip(moe_blocks(model), routers):
+        assert block.gate is router and type(router) is router_type and router.weight is weight
+
+    captured = []
+    for g in head.grouped_mms.values():
+        g.register_forward_hook(lambda m, args, out: captured.append((args, out)))
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    logits = model(ids).logits
+    assert len(captured) == 2
+    assert captured[0][0][1]._base is head.gate_up_proj
+    assert captured[1][0][1]._base is head.down_proj
+    for (input, weight_t, offs), out in captured:
+        assert torch.equal(out, bs.grouped_mm(input, weight_t, offs, RECIPE))
+    assert 1e-3 < rel_error(logits, reference(ids).logits) < 0.1
+
+
+@pytest.mark.parametrize("kind", HF_KINDS[:2])
+def test_hf_set_precision_false_is_the_unconverted_model(kind):
+    model, reference = hf_pair(kind)
+    bsnn.convert(model, RECIPE)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    assert bsnn.set_precision(model, False) > 0
+    assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_hf_trains_with_adamw():
+    model = hf_model("qwen3_moe")
+    bsnn.convert(model, RECIPE, module_filter_fn=bsnn.layer_policy(model))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(6):
+        optimizer.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    experts = moe_blocks(model)[0].experts
+    assert experts.gate_up_proj.grad.abs().sum() > 0
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0] - 0.05, losses
+
+
+def test_hf_other_experts_implementations_are_left_alone(caplog):
+    model = hf_model("olmoe", implementation="eager")
+    with caplog.at_level(logging.INFO, logger="blockscale"):
+        bsnn.convert(model, RECIPE)
+    assert not any(hasattr(block.experts, "grouped_mms") for block in moe_blocks(model))
+    assert "runs experts_implementation='eager' and only grouped_mm calls are routed" in caplog.text
+    assert "and 0 of 4 expert weights" in caplog.text
+
+
+def test_hf_compiled_routing_equals_eager(monkeypatch):
+    """torch.compile(fullgraph=True) of a converted transformers model calls GroupedMM from the
+    compiled graph and gives eager's losses and gradients over optimizer steps; set_precision
+    afterwards recompiles (the switch is read where Dynamo guards it).
+
+    ops.grouped_mm cannot be traced on the CPU yet (see the xfail above), so a traceable stand-in
+    takes its place here: the grouped GEMM with its output doubled, which no unrouted path
+    computes. aot_eager is Dynamo and AOTAutograd, where the routing happens; Inductor's
+    numerics are test_compile.py's subject."""
+
+    def doubled(input, weight_t, offs, recipe, out_dtype=None):
+        return 2 * torch._grouped_mm(input, weight_t, offs=offs, out_dtype=out_dtype)
+
+    monkeypatch.setattr(bs_experts, "grouped_mm", doubled)
+    torch._dynamo.reset()
+    model, unconverted = hf_pair("qwen3_moe", n_layers=1)
+    model, unconverted = model.bfloat16(), unconverted.bfloat16()
+    bsnn.convert(model, RECIPE, module_filter_fn=lambda m, fqn: "experts" in fqn)
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    losses = {}
+    for name, run, params in (("eager", twin, twin), ("compiled", compiled, model)):
+        optimizer = torch.optim.SGD(params.parameters(), lr=0.1)
+        losses[name] = []
+        for _ in range(2):
+            optimizer.zero_grad()
+            loss = run(ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            losses[name].append(loss.detach())
+    assert all(map(torch.equal, losses["compiled"], losses["eager"])), losses
+    assert torch.equal(
+        model.model.layers[0].mlp.experts.down_proj, twin.model.layers[0].mlp.experts.down_proj
+    )
+    assert not torch.equal(losses["eager"][0], unconverted(ids, labels=ids).loss)
+    bsnn.set_precision(model, False)
+    bsnn.set_precision(twin, False)
+    assert torch.equal(compiled(ids, labels=ids).loss, twin(ids, labels=ids).loss)
+    torch._dynamo.reset()
