@@ -67,6 +67,8 @@ from blockscale.recipes import Recipe
 
 def unsupported_reason(k: int, n: int, recipe: Recipe) -> str | None:
     """Why experts with weights [E, N, K] cannot run `recipe`, or None if they can."""
+    if not recipe.quantized:
+        return None  # torch._grouped_mm
     reason = linear_unsupported_reason(k, n, recipe)
     if reason is not None:
         return reason
