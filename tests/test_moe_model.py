@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import blockscale
 import blockscale.nn as bsnn
 from blockscale import recipes
 from blockscale.cli import main
@@ -217,12 +216,14 @@ def test_the_layer_policy_finds_the_blocks_and_keeps_routers_in_bf16():
     assert policy(model.layers[0].moe.experts, "layers.0.moe.experts")
     assert not policy(model.layers[1].moe.experts, "layers.1.moe.experts")
     bsnn.convert(model, recipes.get("nvfp4"), module_filter_fn=policy)
-    converted = {n for n, m in model.named_modules() if isinstance(m, bsnn.Linear)}
+    converted = {n for n, m in model.named_modules() if isinstance(m, bsnn.Linear | bsnn.GroupedMM)}
     assert converted == {
         "layers.0.attn.wqkv",
         "layers.0.attn.wo",
         "layers.0.moe.shared_expert.w13",
         "layers.0.moe.shared_expert.w2",
+        "layers.0.moe.experts.grouped_mms.gate_up_proj",
+        "layers.0.moe.experts.grouped_mms.down_proj",
     }
 
 
@@ -267,8 +268,15 @@ def test_cli_trains_moe_tiny_logging_aux_loss_and_tokens_per_expert(tmp_path):
         # 3 steps x 4 sequences x 64 tokens, 2 experts each
         assert all(sum(c) == 3 * 4 * 64 * 2 for c in r["expert_tokens"].values())
     assert math.isfinite(train_rows[-1]["loss"])
-    probed = [r for r in rows if r["kind"] == "telemetry"][-1]["layers"]
-    assert "layers.0.moe.shared_expert.w13" in probed and "layers.0.moe.router" not in probed
+    probe = [r for r in rows if r["kind"] == "telemetry"][-1]
+    assert "layers.0.moe.shared_expert.w13" in probe["layers"]
+    assert "layers.0.moe.router" not in probe["layers"]
+    # Block 0's experts are converted (block 1 is the BF16 tail): one entry per grouped GEMM,
+    # with the probe batch's 4 x 64 tokens x 2 experts each.
+    grouped = [f"layers.0.moe.experts.grouped_mms.{w}" for w in ("gate_up_proj", "down_proj")]
+    assert sorted(probe["experts"]) == sorted(grouped) and set(grouped) <= set(probe["layers"])
+    for entry in probe["experts"].values():
+        assert sum(entry["tokens"]) == 4 * 64 * 2 and len(entry["output.weight"]["sqnr_db"]) == 4
 
 
 def test_resuming_an_moe_run_carries_its_aux_loss_and_expert_counts(tmp_path):
@@ -294,19 +302,8 @@ def test_compare_reports_tokens_per_expert(tmp_path, capsys):
     section = text.split("## Mixture of experts")[1].split("\n## ")[0]
     assert section.count("### ") == 2 and "| layers.1.moe |" in section
     assert "Load-balancing loss:" in section
-
-
-class StandInGroupedMM(nn.Module):
-    """A stand-in for `blockscale.nn.GroupedMM` (the conversion engineer's): one grouped GEMM
-    of converted experts, called as (input, weight_t, offs)."""
-
-    def __init__(self, recipe) -> None:
-        super().__init__()
-        self.recipe = recipe
-        self.quantize_enabled = True
-
-    def forward(self, input, weight_t, offs):
-        return blockscale.grouped_mm(input, weight_t, offs, self.recipe)
+    # nvfp4's worst experts: block 0's grouped GEMMs (block 1 is the BF16 tail).
+    assert "| layers.0.moe.experts.grouped_mms." in section.split("### nvfp4")[1]
 
 
 class OneGroupedGemm(nn.Module):
@@ -315,7 +312,7 @@ class OneGroupedGemm(nn.Module):
     def __init__(self, recipe, offs) -> None:
         super().__init__()
         self.weight_t = nn.Parameter(torch.randn(len(offs), 64, 64) * 0.1)
-        self.gemm = StandInGroupedMM(recipe)
+        self.gemm = bsnn.GroupedMM(recipe)
         self.offs = torch.tensor(offs, dtype=torch.int32)
 
     def forward(self, x):
@@ -323,9 +320,8 @@ class OneGroupedGemm(nn.Module):
 
 
 @pytest.fixture
-def grouped_probe(monkeypatch):
+def grouped_probe():
     """Telemetry of one grouped GEMM with groups of 20, 0, 25 and 19 rows under NVFP4."""
-    monkeypatch.setattr(bsnn, "GroupedMM", StandInGroupedMM, raising=False)
     torch.manual_seed(4)
     recipe = recipes.get("nvfp4")
     model = OneGroupedGemm(recipe, [20, 20, 45, 64])
@@ -426,3 +422,14 @@ def test_cuda_trains_moe_tiny_under_bf16_autocast(tmp_path, compile):
     rows = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
     assert summary["status"] == "done" and rows[-1]["loss"] < rows[0]["loss"]
     assert all(0.9 < r["aux_loss"] < 4.0 for r in rows)
+    probes = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "telemetry"]
+    sqnr = [
+        v
+        for r in probes
+        for entry in r["experts"].values()
+        for operand, stats in entry.items()
+        if operand != "tokens"
+        for v in stats["sqnr_db"]
+        if v is not None
+    ]
+    assert sqnr and all(12 < v < 30 for v in sqnr)  # NVFP4: about 17-21 dB

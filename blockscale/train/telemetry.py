@@ -67,12 +67,7 @@ def converted_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def grouped_layers(model: nn.Module) -> dict[str, nn.Module]:
-    # Until blockscale.nn ships GroupedMM (the conversion of experts is being built), no
-    # module is one.
-    grouped_mm = getattr(bsnn, "GroupedMM", None)
-    if grouped_mm is None:
-        return {}
-    return {name: m for name, m in model.named_modules() if isinstance(m, grouped_mm)}
+    return {name: m for name, m in model.named_modules() if isinstance(m, bsnn.GroupedMM)}
 
 
 def operand_sums(x: torch.Tensor, config, transpose: bool) -> torch.Tensor:
