@@ -97,10 +97,21 @@ class GroupedMM(nn.Module):
 
     def __init__(self, recipe: Recipe) -> None:
         super().__init__()
-        if not isinstance(recipe, Recipe):
-            raise TypeError(f"recipe must be a blockscale Recipe, got {type(recipe).__name__}")
         self.recipe = recipe
         self.quantize_enabled = True
+
+    @property
+    def recipe(self) -> Recipe:
+        return self._recipe
+
+    @recipe.setter
+    def recipe(self, recipe: Recipe) -> None:
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be a blockscale Recipe, got {type(recipe).__name__}")
+        self._recipe = recipe
+        # What compiled experts guard on (a str: Dynamo can neither hash a frozen dataclass
+        # nor pass one into a nonstrict_trace call); repr names every field.
+        self.recipe_key = repr(recipe)
 
     def forward(
         self,
@@ -197,14 +208,15 @@ class _RoutedExperts:
 
     Compiled, this forward is what Dynamo traces and nothing inside the opaque call is
     guarded, so the state the call depends on is read here and passed along: a flipped
-    `quantize_enabled` (set_precision), a new recipe (hashed field by field) or train/eval then
+    `quantize_enabled` (set_precision), a new recipe (its `recipe_key`, the repr of every
+    field) or train/eval then
     recompiles instead of replaying a stale graph.
     """
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state = (
             self.training,
-            tuple((g.quantize_enabled, hash(g.recipe)) for g in self.grouped_mms.values()),
+            tuple((g.quantize_enabled, g.recipe_key) for g in self.grouped_mms.values()),
         )
         tensors = dict(self.named_parameters())
         tensors.update(self.named_buffers())
