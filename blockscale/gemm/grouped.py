@@ -99,6 +99,19 @@ def _amaxes(a: Operand, b: Operand) -> tuple[torch.Tensor, torch.Tensor] | None:
     return (a.amax, b.amax) if _is_nvfp4(a) else None
 
 
+def _native_for(a: Operand, out_dtype: torch.dtype, backend: Backend | str) -> bool:
+    """Whether this GEMM runs natively: the backend resolves to native and the output is BF16
+    (the only dtype the native grouped kernels write)."""
+    native_backend = resolve_grouped_backend(backend, _device(a)) is Backend.NATIVE
+    return native_backend and out_dtype == torch.bfloat16
+
+
+def _dq_operands(a: Operand, b: Operand):
+    """(a_dq, b_dq, the per-group amaxes or None) of the emulated GEMM."""
+    dtype = _dq_dtype(a)
+    return a.dq(dtype), b.dq(dtype), _amaxes(a, b)
+
+
 def _host_bounds(ends: torch.Tensor) -> list[tuple[int, int]]:
     e = ends.tolist()
     return list(zip([0, *e[:-1]], e))
@@ -144,11 +157,9 @@ def grouped_mm_rows(
 ) -> torch.Tensor:
     """out [M, N] = per group a[rows of e] @ b[e].T * alpha_e; zero rows past offs[-1]."""
     _check(a, b)
-    backend = resolve_grouped_backend(backend, _device(a))
-    if backend is Backend.NATIVE and out_dtype == torch.bfloat16:
+    if _native_for(a, out_dtype, backend):
         return _native(a, b, offs)
-    a_dq, b_dq = a.dq(_dq_dtype(a)), b.dq(_dq_dtype(a))
-    amax = _amaxes(a, b)
+    a_dq, b_dq, amax = _dq_operands(a, b)
     if _library.use_kernels(a_dq):
         return _library.kernels().grouped_gemm_rows(a_dq, b_dq, offs, amax, out_dtype)
     out = a_dq.new_zeros(a_dq.shape[0], b_dq.shape[1], dtype=out_dtype)
@@ -171,11 +182,9 @@ def grouped_mm_tokens(
     operands a [N, P] and b [K, P] (`seg_ends` the layout's segment ends; `offs` the groups'
     row ends and `block` the tokens' block size, read only by the CPU loop)."""
     _check(a, b)
-    backend = resolve_grouped_backend(backend, _device(a))
-    if backend is Backend.NATIVE and out_dtype == torch.bfloat16:
+    if _native_for(a, out_dtype, backend):
         return _native(a, b, seg_ends)
-    a_dq, b_dq = a.dq(_dq_dtype(a)), b.dq(_dq_dtype(a))
-    amax = _amaxes(a, b)
+    a_dq, b_dq, amax = _dq_operands(a, b)
     if _library.use_kernels(a_dq):
         return _library.kernels().grouped_gemm_tokens(a_dq, b_dq, seg_ends, amax, out_dtype)
     out = a_dq.new_zeros(seg_ends.shape[0], a_dq.shape[0], b_dq.shape[0], dtype=out_dtype)

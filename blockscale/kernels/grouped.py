@@ -46,10 +46,9 @@ from blockscale.kernels._common import (
     interpreting,
     nvfp4_global,
     philox_seed,
-    relayout_16,
 )
-from blockscale.kernels.mxfp8 import _mx_tile, _store_mx, store_mx_rows
-from blockscale.kernels.nvfp4 import _quantize_tile, _store_quantized, _uniforms, store_rows
+from blockscale.kernels.mxfp8 import _mx_tile, quantize_columns_mx, store_mx_rows
+from blockscale.kernels.nvfp4 import _quantize_tile, _uniforms, quantize_columns, store_rows
 
 # (BM, BK, num_warps) for the amax pass; the quantize passes use the dense kernels' TILES.
 AMAX_TILE = (64, 128, 4)
@@ -135,24 +134,8 @@ def _nvfp4_grouped_kernel(
         # Philox counters past the row copy's, as in the dense kernel
         base = ((P + 15) // 16) * 16 * (K // 16)
         u_t = _uniforms(seed_ptr, seed_ptr, k0, p0, K, P, base, BK, BM, COL_SR, False)
-        xt = tl.trans(x)
-        if COL_HAD:
-            vt = hadamard_16(xt, h_ptr, BK, BM, DOT_F32)
-        else:
-            vt = relayout_16(xt, BK, BM, DOT_F32)
-        packed_t, scode_t, dq_t, finite = _quantize_tile(
-            vt, s_dec_t, mult_t, u_t, BK, BM, False, COL_SR, DQ_COL
-        )
-        if COL_HAD or finite:
-            _store_quantized(packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
-                                k0, p0, K, P, BK, BM, DQ_COL)  # fmt: skip
-        else:
-            # Inf * 0 in the identity product made NaN: redo this tile from the plain transpose.
-            packed_t, scode_t, dq_t, _ = _quantize_tile(
-                xt.to(tl.float32), s_dec_t, mult_t, u_t, BK, BM, False, COL_SR, DQ_COL
-            )
-            _store_quantized(packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
-                                k0, p0, K, P, BK, BM, DQ_COL)  # fmt: skip
+        quantize_columns(x, s_dec_t, mult_t, u_t, h_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
+                         k0, p0, K, P, BK, BM, False, COL_SR, COL_HAD, DQ_COL, DOT_F32)  # fmt: skip
 
 
 @triton.jit
@@ -173,16 +156,8 @@ def _mxfp8_grouped_kernel(
         store_mx_rows(byte, ecode, dq, data_ptr, scale_ptr, dq_ptr, src, valid, k0, K, BK,
                          DQ_ROW)  # fmt: skip
     if COL:
-        xt = tl.trans(x)
-        byte_t, ecode_t, dq_t, finite = _mx_tile(relayout_16(xt, BK, BM, DOT_F32), BK, BM,
-                                                    HW_FP8)  # fmt: skip
-        if finite:
-            _store_mx(byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
-                         k0, p0, K, P, BK, BM, DQ_COL)  # fmt: skip
-        else:
-            byte_t, ecode_t, dq_t, _ = _mx_tile(xt.to(tl.float32), BK, BM, HW_FP8)
-            _store_mx(byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
-                         k0, p0, K, P, BK, BM, DQ_COL)  # fmt: skip
+        quantize_columns_mx(x, data_t_ptr, scale_t_ptr, dq_t_ptr, k0, p0, K, P, BK, BM, DQ_COL,
+                            HW_FP8, DOT_F32)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- launchers

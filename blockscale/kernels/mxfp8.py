@@ -120,21 +120,33 @@ def _mxfp8_quantize_kernel(
         byte, ecode, dq, _ = _mx_tile(x.to(tl.float32), BM, BK, HW_FP8)
         _store_mx(byte, ecode, dq, data_ptr, scale_ptr, dq_ptr, m0, k0, M, K, BM, BK, DQ_ROW)
     if COL:
-        # The identity product moves each 32-block into one thread (docs/LOG.md); Inf * 0
-        # in it makes NaN, so a tile with Inf or NaN is redone from the plain transpose.
-        xt = tl.trans(x)
-        byte_t, ecode_t, dq_t, finite = _mx_tile(relayout_16(xt, BK, BM, DOT_F32), BK, BM, HW_FP8)
-        if finite:
-            _store_mx(
-                byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
-                k0, m0, K, M, BK, BM, DQ_COL,
-            )  # fmt: skip
-        else:
-            byte_t, ecode_t, dq_t, _ = _mx_tile(xt.to(tl.float32), BK, BM, HW_FP8)
-            _store_mx(
-                byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
-                k0, m0, K, M, BK, BM, DQ_COL,
-            )  # fmt: skip
+        quantize_columns_mx(x, data_t_ptr, scale_t_ptr, dq_t_ptr, k0, m0, K, M, BK, BM, DQ_COL,
+                            HW_FP8, DOT_F32)  # fmt: skip
+
+
+@triton.jit
+def quantize_columns_mx(
+    x, data_t_ptr, scale_t_ptr, dq_t_ptr, k0, m0, K, M,
+    BK: tl.constexpr, BM: tl.constexpr, DQ_COL: tl.constexpr, HW_FP8: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """The columnwise MXFP8 copy of a loaded [BM, BK] tile x, stored at (k0, m0) of the [K, M]
+    outputs. Shared by the dense and the grouped kernels."""
+    # The identity product moves each 32-block into one thread (docs/LOG.md); Inf * 0
+    # in it makes NaN, so a tile with Inf or NaN is redone from the plain transpose.
+    xt = tl.trans(x)
+    byte_t, ecode_t, dq_t, finite = _mx_tile(relayout_16(xt, BK, BM, DOT_F32), BK, BM, HW_FP8)
+    if finite:
+        _store_mx(
+            byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
+            k0, m0, K, M, BK, BM, DQ_COL,
+        )  # fmt: skip
+    else:
+        byte_t, ecode_t, dq_t, _ = _mx_tile(xt.to(tl.float32), BK, BM, HW_FP8)
+        _store_mx(
+            byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
+            k0, m0, K, M, BK, BM, DQ_COL,
+        )  # fmt: skip
 
 
 @triton.jit

@@ -214,32 +214,45 @@ def _nvfp4_quantize_kernel(
             packed, scode, dq, data_ptr, scale_ptr, dq_ptr, m0, k0, M, K, BM, BK, DQ_ROW
         )
     if COL:
-        xt = tl.trans(x)
         s_dec_t, mult_t = nvfp4_global(tl.load(amax_col_ptr))
         # Philox counters past the rowwise ones, so the two copies draw independent bits
         base = ((M + 15) // 16) * 16 * (K // 16)
         u_t = _uniforms(seed_ptr, rand_col_ptr, k0, m0, K, M, base, BK, BM, COL_SR, RAND_GIVEN)
-        if COL_HAD:
-            vt = hadamard_16(xt, h_ptr, BK, BM, DOT_F32)
-        else:
-            vt = relayout_16(xt, BK, BM, DOT_F32)
-        packed_t, scode_t, dq_t, finite = _quantize_tile(
-            vt, s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR, DQ_COL
+        quantize_columns(x, s_dec_t, mult_t, u_t, h_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
+                         k0, m0, K, M, BK, BM, COL_2D, COL_SR, COL_HAD, DQ_COL, DOT_F32)  # fmt: skip
+
+
+@triton.jit
+def quantize_columns(
+    x, s_dec_t, mult_t, u_t, h_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr, k0, m0, K, M,
+    BK: tl.constexpr, BM: tl.constexpr, COL_2D: tl.constexpr, COL_SR: tl.constexpr,
+    COL_HAD: tl.constexpr, DQ_COL: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """The columnwise copy of a loaded [BM, BK] tile x (blocks along its BM rows, optionally
+    Hadamard-transformed) stored at (k0, m0) of the [K, M] outputs. Shared by the dense and
+    the grouped kernels."""
+    xt = tl.trans(x)
+    if COL_HAD:
+        vt = hadamard_16(xt, h_ptr, BK, BM, DOT_F32)
+    else:
+        vt = relayout_16(xt, BK, BM, DOT_F32)
+    packed_t, scode_t, dq_t, finite = _quantize_tile(
+        vt, s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR, DQ_COL
+    )
+    if COL_HAD or finite:
+        _store_quantized(
+            packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
+            k0, m0, K, M, BK, BM, DQ_COL,
+        )  # fmt: skip
+    else:
+        # Inf * 0 in the identity product made NaN: redo this tile from the plain transpose.
+        packed_t, scode_t, dq_t, _ = _quantize_tile(
+            xt.to(tl.float32), s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR, DQ_COL
         )
-        if COL_HAD or finite:
-            _store_quantized(
-                packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
-                k0, m0, K, M, BK, BM, DQ_COL,
-            )  # fmt: skip
-        else:
-            # Inf * 0 in the identity product made NaN: redo this tile from the plain transpose.
-            packed_t, scode_t, dq_t, _ = _quantize_tile(
-                xt.to(tl.float32), s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR, DQ_COL
-            )
-            _store_quantized(
-                packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
-                k0, m0, K, M, BK, BM, DQ_COL,
-            )  # fmt: skip
+        _store_quantized(
+            packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
+            k0, m0, K, M, BK, BM, DQ_COL,
+        )  # fmt: skip
 
 
 @triton.jit
