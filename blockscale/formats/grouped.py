@@ -23,7 +23,8 @@ would quantize:
   the expert's own amax (16x16 tiles never cross experts: N is a multiple of 16).
 
 NVFP4 grouped containers are plain `NVFP4Tensor`s whose `amax` holds one FP32 amax per
-expert ([E]) instead of a scalar; `dequantize_grouped` applies each expert's decode scale.
+expert ([E]) instead of a scalar: the grouped GEMMs take expert e's decode scale from
+amax[e].
 MXFP8 has no tensor amax, so its grouped containers are ordinary `MXFP8Tensor`s.
 
 Everything here is a readable reference for the CPU and the tests: it reads the offsets on
@@ -53,12 +54,6 @@ def group_bounds(offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ends = offs.long()
     starts = torch.cat((ends.new_zeros(1), ends[:-1]))
     return starts, ends - starts
-
-
-def row_groups(offs: torch.Tensor, rows: int) -> torch.Tensor:
-    """int32 [rows]: the group of each row, E for rows past offs[-1]."""
-    positions = torch.arange(rows, device=offs.device, dtype=torch.int32)
-    return torch.searchsorted(offs, positions, right=True).to(torch.int32)
 
 
 def token_capacity(rows: int, groups: int) -> int:
@@ -229,20 +224,3 @@ def mxfp8_quantize_experts(w: torch.Tensor, transpose: bool = False) -> MXFP8Ten
             w.new_zeros(shape, dtype=torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu), shape
         )
     return MXFP8Tensor(_stack([q.data for q in qs]), _stack([q.scale for q in qs]), shape)
-
-
-def dequantize_grouped(
-    q: NVFP4Tensor | MXFP8Tensor, groups: torch.Tensor | None = None, dim: int = 0
-) -> torch.Tensor:
-    """FP32 values of a grouped container: `groups` (int32, the group of each index along
-    `dim`; E for none) picks each element's NVFP4 decode scale from `q.amax` [E]; for expert
-    weights ([E, ...]) leave groups None. MXFP8 needs neither."""
-    if isinstance(q, MXFP8Tensor):
-        return q.dequantize(torch.float32)
-    s_dec = nvfp4.decode_scale(q.amax)
-    if groups is None:
-        per = s_dec.reshape(-1, *([1] * (len(q.shape) - 1)))
-    else:
-        padded = torch.cat((s_dec, s_dec.new_zeros(1)))[groups.long()]
-        per = padded.reshape([-1 if d == dim else 1 for d in range(len(q.shape))])
-    return q.dq(torch.float32) * per

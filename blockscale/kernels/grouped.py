@@ -163,10 +163,6 @@ def _mxfp8_grouped_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
-def _layout_args(source: torch.Tensor | None, rows: int) -> tuple[torch.Tensor | None, int, bool]:
-    return source, (rows if source is None else source.shape[0]), source is not None
-
-
 @library_op("blockscale::group_amax_2d", mutates_args=(), triton=True)
 def _group_amax_2d(
     x: torch.Tensor,
