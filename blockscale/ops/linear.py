@@ -113,6 +113,17 @@ def _mm(
     return scaled_mm(a, b, out_dtype=out_dtype, bias=bias, backend=backend)  # type: ignore[arg-type]
 
 
+def weight_operand(
+    weight: torch.Tensor, config: Any, transpose: bool = False, dq: bool = False
+) -> QuantizedOperand:
+    """The weight quantized per `config`. A weight that arrives already quantized (one that
+    blockscale.distributed all-gathered as NVFP4/MXFP8, or NVFP4 primary weights) has a
+    `quantized_copy` method and hands over the copy it holds instead."""
+    if hasattr(type(weight), "quantized_copy"):
+        return weight.quantized_copy(config, transpose)  # type: ignore[attr-defined]
+    return quantize_operand(weight, config, transpose=transpose, dq=dq)
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -129,7 +140,7 @@ class _Linear(torch.autograd.Function):
         with torch.autocast(input.device.type, enabled=False):
             wgrad_cfg = recipe.grad_weight.input_t if ctx.needs_input_grad[1] else None
             x_lp, input_t = quantize_rows_and_tokens(x, recipe.output.input, wgrad_cfg)
-            w_lp = quantize_operand(weight, recipe.output.weight, dq=True)
+            w_lp = weight_operand(weight, recipe.output.weight, dq=True)
             out = _mm(x_lp, w_lp, out_dtype, out_dtype, backend, bias)
 
             weight_for_dgrad: Operand | None = None
@@ -138,7 +149,7 @@ class _Linear(torch.autograd.Function):
                 if dgrad_cfg.block == "16x16" and dgrad_cfg == recipe.output.weight:
                     weight_for_dgrad = Transposed(w_lp)  # type: ignore[arg-type]
                 else:
-                    weight_for_dgrad = quantize_operand(weight, dgrad_cfg, transpose=True)
+                    weight_for_dgrad = weight_operand(weight, dgrad_cfg, transpose=True)
 
         w_tensors, ctx.weight_meta = save_operand(weight_for_dgrad)
         x_tensors, ctx.input_meta = save_operand(input_t)

@@ -1,0 +1,368 @@
+"""FSDP2 all-gather of quantized weights: NVFP4 / MXFP8 codes and scales instead of BF16.
+
+Usage, with the user's own `fully_shard` calls:
+
+```python
+bs.convert(model, recipe)
+bs.distributed.enable_quantized_all_gather(model)  # before fully_shard
+for block in model.layers:
+    fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))  # optional
+fully_shard(model)
+```
+
+Mechanism: FSDP2's tensor-subclass all-gather extension (`fsdp_pre_all_gather` /
+`fsdp_post_all_gather` on the parameter's local tensor, the same interface on torch 2.11-2.13).
+`enable_quantized_all_gather` wraps the weight of every quantized `blockscale.nn.Linear` in a
+`ShardedWeight`: a thin subclass around the FP32 tensor that behaves as that tensor for every
+op (the optimizer updates the FP32 shard in place, its state is plain FP32, the state_dict
+holds the same values) and survives FSDP's sharding (`new_zeros`, `split`, `narrow`, `copy_`
+and views keep the subclass). Then, at each all-gather, on every rank:
+
+1. `fsdp_pre_all_gather` reduces the weight's amax over the shard group (one MAX all-reduce of
+   a scalar; none for MXFP8, which has no tensor scale) and quantizes its FP32 shard, rows
+   [r*N/W, (r+1)*N/W) of the [N, K] weight, with that amax: the shard's blocks are whole
+   blocks of the full weight, so its codes and scales are exactly the full quantization's
+   rows. The all-gather inputs are the packed codes and the scales (16x16: one E4M3 scale per
+   tile, not repeated on its 16 rows).
+2. FSDP all-gathers them (one collective per FSDP group, as for BF16 parameters).
+3. `fsdp_post_all_gather` assembles a `QuantizedWeight` (distributed/weight.py) of the dtype
+   FSDP asks for (the MixedPrecisionPolicy's param_dtype, else the shard's): codes and scales
+   are views of the gathered buffers, 16x16 tile scales are repeated back onto their rows, a
+   columnwise copy is put in [K, N] order. `blockscale.linear` then uses these copies instead
+   of quantizing, and grad_weight comes out in that dtype, reduce-scattered by FSDP as usual.
+
+What travels, per weight [N, K], as a fraction of the BF16 all-gather (2NK bytes):
+
+| recipe (weight operands)          | gathered                                 | bytes      | vs BF16 |
+| --------------------------------- | ---------------------------------------- | ---------- | ------- |
+| nvfp4 (16x16 weight)              | codes + tile scales; dgrad = transpose   | NK(1/2+1/256) | 0.252 |
+| nvfp4 weight_2d=False (1x16)      | rowwise + columnwise codes and scales    | NK(1+1/8)  | 0.563   |
+| nvfp4_fwd_mxfp8_bwd               | NVFP4 16x16 rowwise + MXFP8 columnwise   | NK(1.535)  | 0.767   |
+| mxfp8                             | MXFP8 rowwise + columnwise               | NK(2+1/16) | 1.031   |
+
+The columnwise copies (blocks along N) are quantized from the shard too, which is exact when
+each shard holds whole blocks along N. A 16x16 NVFP4 weight needs no columnwise copy: its
+transpose is exact (`gemm.dispatch.Transposed`). MXFP8 gathers two copies, a little more than
+BF16; gathering only the copy each pass needs (rowwise in the forward, columnwise in the
+backward re-gather) would halve it, but breaks with activation checkpointing and with
+modules FSDP does not reshard after the forward, and is not done.
+
+Shard rules (checked at the first all-gather, the same on every rank, so all ranks raise
+together): FSDP must shard dim 0 evenly (N divisible by the shard group size W; the packed
+all-gather has no padding), and each shard's N/W rows must hold whole blocks along N: a
+multiple of 16 for a 16x16 weight or an NVFP4 columnwise copy, of 32 for an MXFP8 columnwise
+copy. K must already fit the recipe (as for any converted layer).
+
+Limits: the layout of what is gathered is fixed at the first all-gather (FSDP allocates its
+buffers once), so a layer's recipe, or `quantize_enabled` (set_precision), cannot change
+afterwards; `reshard_after_forward=<int>` (resharding onto a smaller group) is not supported
+by FSDP's extension; weight quantization must round to nearest (stochastic rounding of a shard
+would not reproduce the one-device bits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from blockscale import _library
+from blockscale.distributed.weight import Container, QuantizedWeight
+from blockscale.formats import mxfp8, nvfp4
+from blockscale.formats.mxfp8 import MXFP8Tensor
+from blockscale.formats.nvfp4 import NVFP4Tensor
+from blockscale.nn.linear import Linear
+from blockscale.recipes import Format, OperandConfig, Recipe, Rounding
+
+# Ops whose results stay ShardedWeights: the ones FSDP uses to cut the shard out of the full
+# weight and pad it, and plain re-descriptions of the same values. Every other op sees the
+# FP32 tensor and returns plain tensors (optimizer state, arithmetic).
+_KEEP_SUBCLASS = {
+    torch.ops.aten.detach.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.as_strided.default,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.narrow.default,
+    torch.ops.aten.split.Tensor,
+    torch.ops.aten.split_with_sizes.default,
+    torch.ops.aten.chunk.default,
+    torch.ops.aten.new_zeros.default,
+    torch.ops.aten.new_empty.default,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.zeros_like.default,
+    torch.ops.aten.clone.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten._pin_memory.default,
+}
+
+
+def _shard_amax(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """max |w| over the whole weight from its shards: one all-reduce. NaN anywhere gives NaN
+    (a MAX reduction is not guaranteed to propagate NaN, so it travels as a flag)."""
+    local = (
+        shard.abs().amax().float() if shard.numel() else shard.new_zeros((), dtype=torch.float32)
+    )
+    nan = torch.isnan(local)
+    both = torch.stack((torch.where(nan, torch.full_like(local, float("inf")), local), nan.float()))
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return torch.where(both[1] > 0, torch.full_like(both[0], float("nan")), both[0])
+
+
+def quantize_shard(
+    x: torch.Tensor, config: OperandConfig, transpose: bool, amax: torch.Tensor | None
+) -> Container:
+    """x quantized per `config` (along its last dim, or its first with transpose=True), NVFP4
+    with the given tensor amax; the Triton kernels on CUDA, formats/ elsewhere."""
+    kernels = _library.kernels() if _library.use_kernels(x) else None
+    if config.format is Format.NVFP4:
+        options = {"block": config.block, "rounding": "nearest", "transpose": transpose}
+        if kernels is not None:
+            return kernels.nvfp4_quantize(x, amax=amax, **options)
+        return nvfp4.quantize(x, amax=amax, **options)
+    if kernels is not None:
+        return kernels.mxfp8_quantize(x, transpose=transpose)
+    return mxfp8.quantize(x, transpose=transpose)
+
+
+@dataclass(frozen=True)
+class GatherLayout:
+    """What one weight all-gathers: the rowwise copy and, unless the weight is 16x16 NVFP4, a
+    columnwise copy. Fixed at the first all-gather."""
+
+    shape: torch.Size
+    world_size: int
+    rowwise: OperandConfig
+    columnwise: OperandConfig | None
+
+    @classmethod
+    def for_layer(cls, module: nn.Module, shape: torch.Size, world_size: int) -> GatherLayout:
+        if not isinstance(module, Linear) or not module.quantize_enabled:
+            raise ValueError(
+                f"{module!r} holds a ShardedWeight but is not a quantized blockscale Linear "
+                "(quantize_enabled=False?): its weight would need the high-precision all-gather; "
+                "a quantized all-gather's layout cannot change after the first one"
+            )
+        recipe: Recipe = module.recipe
+        fwd, dgrad = recipe.output.weight, recipe.grad_input.weight
+        for name, op in (("output.weight", fwd), ("grad_input.weight", dgrad)):
+            if not op.quantized:
+                raise ValueError(
+                    f"recipe {recipe.name}: {name} is bf16, which a quantized all-gather cannot "
+                    "serve; keep this layer out of enable_quantized_all_gather"
+                )
+            if op.rounding is not Rounding.NEAREST:
+                raise ValueError(
+                    f"recipe {recipe.name}: {name} rounds stochastically; a sharded quantization "
+                    "reproduces the one-device bits only with nearest rounding"
+                )
+        columnwise = None if (dgrad.block == "16x16" and dgrad == fwd) else dgrad
+        layout = cls(torch.Size(shape), world_size, fwd, columnwise)
+        layout.check()
+        return layout
+
+    def check(self) -> None:
+        n, k = self.shape
+        w = self.world_size
+        if n % w:
+            raise ValueError(
+                f"weight {tuple(self.shape)}: N={n} rows do not split evenly over {w} ranks; "
+                "a quantized all-gather needs every shard the same size (no padding)"
+            )
+        rows = n // w
+        need = [16 if self.rowwise.block == "16x16" else 1]
+        if self.columnwise is not None:
+            need.append(self.columnwise.block_size)
+        block = max(need)
+        if rows % block:
+            raise ValueError(
+                f"weight {tuple(self.shape)} over {w} ranks: each shard has {rows} rows, not a "
+                f"multiple of {block} ({self.describe()} needs whole blocks along N in a shard); "
+                f"N must be a multiple of {block * w}"
+            )
+
+    def describe(self) -> str:
+        cols = "" if self.columnwise is None else f" + columnwise {self.columnwise.describe()}"
+        return f"rowwise {self.rowwise.describe()}{cols}"
+
+    @property
+    def needs_amax(self) -> bool:
+        return any(
+            c is not None and c.format is Format.NVFP4 for c in (self.rowwise, self.columnwise)
+        )
+
+    # ------------------------------------------------------------------ before the gather
+
+    def inputs(self, shard: torch.Tensor, amax: torch.Tensor | None) -> list[torch.Tensor]:
+        """The shard's all-gather inputs: codes and scales per copy, each with rows first."""
+        out = []
+        row = quantize_shard(shard, self.rowwise, False, amax)
+        scale = row.scale[::16] if self.rowwise.block == "16x16" else row.scale
+        out += [row.data, scale]
+        if self.columnwise is not None:
+            col = quantize_shard(shard, self.columnwise, True, amax)
+            out += [col.data, col.scale]
+        return [t.contiguous() for t in out]
+
+    # ------------------------------------------------------------------- after the gather
+
+    def assemble(
+        self, outputs: tuple[torch.Tensor, ...], amax: torch.Tensor | None, dtype: torch.dtype
+    ) -> tuple[QuantizedWeight, list[torch.Tensor]]:
+        """The QuantizedWeight made of the gathered buffers, and the tensors built here (not
+        views of FSDP's buffers), which FSDP frees and re-allocates with the weight."""
+        n, k = self.shape
+        built: list[torch.Tensor] = []
+        data, scale = outputs[0], outputs[1]
+        if self.rowwise.block == "16x16":
+            scale = scale.repeat_interleave(16, dim=0)
+            built.append(scale)
+        rowwise = self._container(self.rowwise, data, scale, amax, torch.Size((n, k)))
+        columnwise = None
+        if self.columnwise is not None:
+            w = self.world_size
+            # Each rank sent [K, N/W]-shaped blocks; put the W column blocks side by side.
+            data_t, scale_t = (
+                t.view(w, k, -1).permute(1, 0, 2).reshape(k, -1) for t in outputs[2:4]
+            )
+            built += [data_t, scale_t]
+            columnwise = (
+                self.columnwise,
+                self._container(self.columnwise, data_t, scale_t, amax, torch.Size((k, n))),
+            )
+        weight = QuantizedWeight(self.shape, dtype, (self.rowwise, rowwise), columnwise)
+        return weight, built
+
+    @staticmethod
+    def _container(
+        config: OperandConfig,
+        data: torch.Tensor,
+        scale: torch.Tensor,
+        amax: torch.Tensor | None,
+        shape: torch.Size,
+    ) -> Container:
+        if config.format is Format.NVFP4:
+            assert amax is not None
+            return NVFP4Tensor(data, scale, amax.clone(), shape, config.block)
+        return MXFP8Tensor(data, scale, shape)
+
+
+class ShardedWeight(torch.Tensor):
+    """The FP32 (master) weight of a quantized layer, as FSDP2 shards it: every op sees the
+    wrapped tensor, and FSDP's all-gather sends it quantized (see the module docstring)."""
+
+    _data: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor) -> ShardedWeight:
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls,
+            data.shape,
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=data.dtype,
+            device=data.device,
+            requires_grad=data.requires_grad,
+        )
+
+    def __init__(self, data: torch.Tensor) -> None:
+        if isinstance(data, ShardedWeight):
+            data = data._data
+        self._data = data
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: Any, outer_size: Any, outer_stride: Any):
+        return ShardedWeight(inner["_data"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        plain_args, plain_kwargs = tree_map_only(ShardedWeight, lambda t: t._data, (args, kwargs))
+        out = func(*plain_args, **plain_kwargs)
+        schema_args = func._schema.arguments
+        if (
+            schema_args
+            and schema_args[0].alias_info is not None
+            and schema_args[0].alias_info.is_write
+        ):
+            return args[0]  # in place (copy_, add_, the optimizer's updates): same wrapper
+        if func in _KEEP_SUBCLASS:
+            return tree_map_only(torch.Tensor, ShardedWeight, out)
+        return out
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"ShardedWeight({self._data!r})"
+
+    def fsdp_pre_all_gather(
+        self,
+        mesh: Any,
+        outer_size: torch.Size,
+        outer_stride: tuple[int, ...],
+        module: nn.Module,
+        mp_policy: Any,
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        world_size = mesh.size()
+        layout = GatherLayout.for_layer(module, outer_size, world_size)
+        shard = self._data
+        if tuple(shard.shape) != (outer_size[0] // world_size, outer_size[1]):
+            raise ValueError(
+                f"weight {tuple(outer_size)}: local shard {tuple(shard.shape)} is not dim-0 "
+                f"rows of {world_size} equal shards; a quantized all-gather needs FSDP's "
+                "default Shard(0) placement"
+            )
+        amax = _shard_amax(shard, mesh.get_group()) if layout.needs_amax else None
+        return tuple(layout.inputs(shard, amax)), (layout, amax)
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[QuantizedWeight, tuple[torch.Tensor, ...]] | None:
+        layout, amax = metadata
+        weight, built = layout.assemble(all_gather_outputs, amax, param_dtype)
+        if out is not None:
+            if not isinstance(out, QuantizedWeight):
+                raise TypeError(f"FSDP handed back a {type(out).__name__}, not a QuantizedWeight")
+            out.update_(weight)
+            return None
+        return weight, tuple(built)
+
+
+def enable_quantized_all_gather(model: nn.Module) -> int:
+    """Make FSDP2 all-gather the weights of `model`'s quantized blockscale Linears as NVFP4 /
+    MXFP8 (see this module's docstring). Call after `convert` and before `fully_shard`;
+    returns the number of weights changed. A Parameter shared by several layers is wrapped
+    once."""
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415 (not needed before)
+
+    done: dict[int, nn.Parameter] = {}
+    for name, module in model.named_modules():
+        if not (isinstance(module, Linear) and module.recipe.quantized):
+            continue
+        weight = module.weight
+        if isinstance(weight, DTensor):
+            raise ValueError(
+                f"{name}.weight is already a DTensor: call enable_quantized_all_gather "
+                "before fully_shard (or any other parallelization)"
+            )
+        if id(weight) not in done:
+            if isinstance(weight, ShardedWeight):
+                done[id(weight)] = weight
+            else:
+                wrapped = ShardedWeight(weight.data)
+                done[id(weight)] = nn.Parameter(wrapped, requires_grad=weight.requires_grad)
+        module.weight = done[id(weight)]
+    return len(done)

@@ -1,0 +1,72 @@
+"""Run a function on N local ranks: gloo on the CPU, NCCL on CUDA (one GPU per rank).
+
+For tests, benchmarks and quick experiments on one machine; real jobs use torchrun. The
+function is called as `fn(rank, world_size, *args)` with the default process group initialized
+(and, on CUDA, the rank's GPU made current); an exception on any rank fails the call with
+that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    device: str,
+    threads: int,
+    fn: Callable[..., Any],
+    args: tuple,
+) -> None:
+    torch.set_num_threads(threads)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    device: str = "cpu",
+    threads: int = 1,
+) -> None:
+    """Spawn `world_size` processes running `fn(rank, world_size, *args)` and wait for them.
+
+    device: "cpu" (gloo) or "cuda" (NCCL; needs world_size GPUs). threads: intra-op CPU
+    threads per rank (one keeps N ranks on N cores from slowing each other down)."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not 'cpu' or 'cuda'")
+    if device == "cuda" and torch.cuda.device_count() < world_size:
+        raise ValueError(
+            f"world_size={world_size} needs {world_size} GPUs, found {torch.cuda.device_count()}"
+        )
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    mp.spawn(
+        _entry,
+        args=(world_size, _free_port(), device, threads, fn, args),
+        nprocs=world_size,
+        join=True,
+    )

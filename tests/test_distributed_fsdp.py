@@ -1,0 +1,278 @@
+"""FSDP2 with quantized all-gather (blockscale.distributed.fsdp), on 2 ranks.
+
+CPU: gloo, one process per rank. GPU (marker gpu, 2 GPUs): the same workers over NCCL.
+Every check runs inside the workers (an assertion there fails the spawn with its traceback);
+the byte counts come back through a file.
+
+Exactness arguments the assertions rest on:
+- A shard holds whole 16x16 tiles (or whole blocks along N) and is quantized with the amax
+  reduced over the group, so its codes and scales are the full quantization's rows.
+- Data parallel over 2 ranks averages two gradients: (g0 + g1) / 2 is what FSDP's AVG
+  reduce-scatter gives (2 terms: the sum is order-free, halving is exact), and what one process
+  gets by accumulating the two micro-batches' gradients and halving. Stochastic rounding is off
+  (two processes cannot draw one process's random stream).
+- With MixedPrecisionPolicy(param_dtype=bf16), FSDP computes in BF16 with BF16 gradients; the
+  one-process reference does the same by hand: BF16 copies of the unquantized parameters,
+  FP32 weights for quantized layers (quantized from FP32, as the shards are), BF16 rotary
+  tables (FSDP casts the blocks' float inputs), every gradient rounded to BF16, summed in
+  BF16 and halved.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+import blockscale as bs
+from blockscale.distributed import QuantizedWeight, enable_quantized_all_gather
+from blockscale.distributed.launch import run_local
+from blockscale.formats import mxfp8, nvfp4
+from blockscale.models import build_model, model_config
+from blockscale.recipes import Format
+
+WORLD = 2
+RECIPES = {
+    "nvfp4": bs.recipes.nvfp4(stochastic_rounding=False),
+    "nvfp4_1x16": bs.recipes.nvfp4(stochastic_rounding=False, weight_2d=False),
+    "nvfp4_fwd_mxfp8_bwd": bs.recipes.nvfp4_fwd_mxfp8_bwd(),
+    "mxfp8": bs.recipes.mxfp8(),
+}
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _shard(model: nn.Module, blocks: list[nn.Module], mp: bool) -> None:
+    mesh = init_device_mesh(_device().type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if mp else None)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def _quantize_full(w: torch.Tensor, config, transpose: bool):
+    if config.format is Format.NVFP4:
+        return nvfp4.quantize(w, block=config.block, transpose=transpose)
+    return mxfp8.quantize(w, transpose=transpose)
+
+
+def _assert_same_container(got, want, what: str) -> None:
+    assert tuple(got.shape) == tuple(want.shape), what
+    pairs = [("data", got.data, want.data), ("scale", got.scale, want.scale)]
+    if hasattr(want, "amax"):
+        pairs.append(("amax", got.amax, want.amax))
+    for name, a, b in pairs:
+        assert a.dtype == b.dtype, f"{what}.{name}: {a.dtype} != {b.dtype}"
+        a8 = a.reshape(-1).view(torch.uint8) if a.dtype.itemsize == 1 else a
+        b8 = b.reshape(-1).view(torch.uint8) if b.dtype.itemsize == 1 else b
+        assert torch.equal(a8.cpu(), b8.cpu()), f"{what}.{name} differs from one-device bits"
+
+
+# --------------------------------------------------------------------------- the gather
+
+
+def _gather_worker(rank: int, world_size: int) -> None:
+    device = _device()
+    for name, recipe in RECIPES.items():
+        for mp in (False, True):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=False))
+            with torch.no_grad():  # the largest |w| in rank 1's rows: the amax must travel
+                model[0].weight[100, 7] = 3.0
+                model[1].weight[5, 9] = -2.5  # and one in rank 0's rows
+            model.to(device)
+            bs.convert(model, recipe)
+            full = [m.weight.detach().clone() for m in model]
+            assert enable_quantized_all_gather(model) == 2
+            _shard(model, list(model), mp)
+            for m, w in zip(model, full, strict=True):
+                m.unshard()
+                gathered = m.weight
+                assert isinstance(gathered, QuantizedWeight), type(gathered)
+                assert gathered.dtype == (torch.bfloat16 if mp else torch.float32)
+                fwd, dgrad = recipe.output.weight, recipe.grad_input.weight
+                _assert_same_container(
+                    gathered.rowwise, _quantize_full(w, fwd, False), f"{name} rowwise"
+                )
+                if dgrad.block == "16x16":
+                    assert gathered.columnwise is None
+                else:
+                    _assert_same_container(
+                        gathered.columnwise, _quantize_full(w, dgrad, True), f"{name} columnwise"
+                    )
+                m.reshard()
+
+
+def _shard_rule_worker(rank: int, world_size: int) -> None:
+    # 48 rows over 2 ranks: 24 per shard, not whole 16x16 tiles. Every rank raises alike.
+    model = nn.Sequential(nn.Linear(64, 48, bias=False)).to(_device())
+    bs.convert(model, RECIPES["nvfp4"])
+    enable_quantized_all_gather(model)
+    _shard(model, [], mp=False)
+    with pytest.raises(ValueError, match="each shard has 24 rows, not a multiple of 16"):
+        model(torch.randn(4, 64, device=_device()))
+
+
+def test_gathered_weights_equal_one_device_quantization():
+    run_local(_gather_worker, WORLD)
+
+
+def test_shard_that_cuts_tiles_raises():
+    run_local(_shard_rule_worker, WORLD)
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _batches(steps: int, world_size: int, vocab: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(0, vocab, (steps, world_size, 2, 33), generator=g).to(device)
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _reference_run(
+    model: nn.Module, data: torch.Tensor, dtype: torch.dtype, lr: float
+) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """One process: each step runs every rank's micro-batch and averages the gradients as
+    FSDP does. Unquantized parameters compute in `dtype`; quantized layers' weights stay FP32
+    (FSDP quantizes them from the FP32 shards)."""
+    masters = dict(model.named_parameters())
+    quantized = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, bs.nn.Linear)}
+    compute = copy.deepcopy(model)
+    params = dict(compute.named_parameters())
+    for n, p in params.items():
+        if n not in quantized:
+            p.data = p.data.to(dtype)
+    for b in compute.buffers():  # FSDP casts the blocks' float inputs (the rotary tables) too
+        b.data = b.data.to(dtype)
+    opt = torch.optim.AdamW(masters.values(), lr=lr)
+    losses = []
+    for step in range(data.shape[0]):
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(masters[n])
+        acc: dict[str, torch.Tensor] = {}
+        step_losses = []
+        for tokens in data[step]:
+            loss = _loss(compute, tokens)
+            loss.backward()
+            step_losses.append(loss.item())
+            for n, p in params.items():
+                g = p.grad.to(dtype)
+                acc[n] = g if n not in acc else acc[n] + g
+                p.grad = None
+        for n, p in masters.items():
+            p.grad = (acc[n] * 0.5).float()
+        opt.step()
+        opt.zero_grad()
+        losses.append(step_losses)
+    return losses, {n: p.detach().clone() for n, p in masters.items()}
+
+
+class CountingAllGather(AllGather):
+    """FSDP's all-gather, counting the bytes each rank receives."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.bytes += output_tensor.numel() * output_tensor.element_size()
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op=async_op)
+
+
+def _count_all_gathers(model: nn.Module) -> CountingAllGather:
+    counter = CountingAllGather()
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_all_gather(counter)
+    return counter
+
+
+def _train_worker(rank: int, world_size: int, out_path: str) -> None:
+    device = _device()
+    steps, lr = 3, 1e-2
+    cfg = model_config("tiny")
+    data = _batches(steps, world_size, cfg.vocab_size, device)
+    recipe = RECIPES["nvfp4"]
+    sizes = {}
+    for mp, quantized in ((False, True), (True, True), (False, False), (True, False)):
+        torch.manual_seed(0)
+        model = build_model(cfg).to(device)
+        bs.convert(model, recipe)
+        reference = copy.deepcopy(model)
+        if quantized:
+            enable_quantized_all_gather(model)
+        _shard(model, list(model.layers), mp)
+        counter = _count_all_gathers(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        losses = []
+        for step in range(steps):
+            loss = _loss(model, data[step, rank])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        sizes[f"{'bf16' if mp else 'fp32'}{'_nvfp4' if quantized else ''}"] = counter.bytes // steps
+        if not quantized:
+            continue
+        dtype = torch.bfloat16 if mp else torch.float32
+        ref_losses, ref_params = _reference_run(reference, data, dtype, lr)
+        assert losses == [s[rank] for s in ref_losses], (mp, losses, ref_losses)
+        for n, p in model.named_parameters():
+            assert torch.equal(p.full_tensor(), ref_params[n]), f"{n} after {steps} steps"
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(sizes, f)
+
+
+def test_training_steps_and_all_gather_bytes(tmp_path):
+    out = tmp_path / "bytes.json"
+    run_local(_train_worker, WORLD, str(out))
+    got = json.loads(out.read_text())
+    # What each rank receives per step: blocks gather twice (forward, and again for the
+    # backward after resharding), the root group (embeddings, final norm, head) once.
+    cfg = model_config("tiny")
+    model = build_model(cfg)
+    bs.convert(model, RECIPES["nvfp4"])
+    quantized = {id(m.weight) for m in model.modules() if isinstance(m, bs.nn.Linear)}
+    block_params = {id(p) for p in model.layers.parameters()}
+
+    def expected(plain_bytes: int, nvfp4: bool) -> int:
+        total = 0
+        for p in model.parameters():
+            n = p.numel()
+            nbytes = n * 129 // 256 if (nvfp4 and id(p) in quantized) else n * plain_bytes
+            total += nbytes * (2 if id(p) in block_params else 1)
+        return total
+
+    assert got["fp32"] == expected(4, False)
+    assert got["bf16"] == expected(2, False)
+    assert got["fp32_nvfp4"] == expected(4, True)
+    assert got["bf16_nvfp4"] == expected(2, True)
+
+
+@pytest.mark.gpu
+def test_fsdp_on_two_gpus(tmp_path):
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} GPUs")
+    run_local(_gather_worker, WORLD, device="cuda")
+    run_local(_train_worker, WORLD, str(tmp_path / "bytes.json"), device="cuda")
