@@ -1,10 +1,10 @@
 """The command line: `blockscale train | compare | eval` (also `python -m blockscale ...`).
 
 Every `TrainConfig` field is a flag of `train` and `compare` (see blockscale/train/config.py or
-`blockscale train --help`). Bad input (a missing file, an unknown recipe, a model too large for
-the device, a corrupt checkpoint) ends with one line on stderr and exit status 2; a run that
-stopped early (Ctrl-C, `--max-minutes`) exits with 3: run the same command (train: with
-`--resume`) to continue it.
+`blockscale train --help`). Bad input (a flag out of its range, a missing file, an unknown
+recipe, a model too large for the device, a corrupt checkpoint, a resume that does not match its
+run) ends with one line on stderr and exit status 2; a run that stopped early (Ctrl-C,
+`--max-minutes`) exits with 3: run the same command (train: with `--resume`) to continue it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import blockscale
 from blockscale.train.config import TrainConfig, add_config_flags, overrides_from_args
 from blockscale.train.errors import UsageError
 
@@ -30,19 +31,39 @@ def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def _out_dir(out: str | None) -> None:
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise UsageError(f"--out {out} is a file, not a directory; choose another --out")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line in one line (its usage is one --help away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _count(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 0")
+    return value
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    from blockscale.train.loop import train
+    from blockscale.train.loop import saved_config, train
 
     overrides = overrides_from_args(args)
+    _out_dir(args.out)
     if args.resume:
         if args.out is None:
             raise UsageError("--resume needs --out DIR, the run to continue")
-        saved = Path(args.out) / "config.json"
-        cfg = (
-            dataclasses.replace(TrainConfig.load(saved), **overrides)
-            if saved.exists()
-            else TrainConfig(**overrides)
-        )
+        # The run's own config; flags may restate it or change what may change (train checks).
+        cfg = dataclasses.replace(saved_config(Path(args.out)), **overrides)
     else:
         cfg = TrainConfig(**overrides)
     out = Path(args.out or f"runs/{cfg.model}-{cfg.recipe}-{_timestamp()}")
@@ -57,11 +78,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from blockscale.train.report import format_table
 
     cfg = TrainConfig(**overrides_from_args(args))
+    _out_dir(args.out)
+    names = _csv(args.recipes)
+    if not names:
+        raise UsageError(
+            f"--recipes {args.recipes!r} names no recipe (want a comma-separated list, "
+            "e.g. bf16,nvfp4)"
+        )
     out = Path(args.out or f"runs/compare-{_timestamp()}")
     report, finished = compare(
         cfg,
         out,
-        _csv(args.recipes),
+        names,
         _csv(args.ablate),
         args.noise_floor,
         args.only,
@@ -79,7 +107,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from blockscale.train.evaluate import eval_run
 
-    result = eval_run(Path(args.run), args.data, args.step, args.max_tokens, args.batch_size)
+    result = eval_run(
+        Path(args.run),
+        args.data,
+        args.step,
+        args.max_tokens,
+        args.batch_size,
+        progress=not args.quiet,
+    )
     print(
         f"{result['run']} ({result['checkpoint']}) on {result['data']}: loss {result['val_loss']:.4f}, {result['val_bpb']:.4f} bits/byte over {result['val_tokens']:,} bytes"
     )
@@ -90,9 +125,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     from blockscale.train.compare import ABLATIONS, DEFAULT_RECIPES
 
-    root = argparse.ArgumentParser(
+    root = _Parser(
         prog="blockscale", description="Train transformers in NVFP4 and MXFP8, and compare recipes."
     )
+    root.add_argument("--version", action="version", version=f"%(prog)s {blockscale.__version__}")
     sub = root.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train one model with one recipe")
@@ -137,14 +173,17 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--run", required=True, help="run directory")
     ev.add_argument(
         "--data",
-        default="stdlib",
-        help="a .txt/.txt.gz file, a directory of them, or 'stdlib' [%(default)s]",
+        help="a .txt/.txt.gz file, a directory of them, or 'stdlib' "
+        "[the held-out part of the run's own data, text it never trained on]",
     )
-    ev.add_argument("--step", type=int, help="checkpoint step [the last]")
+    ev.add_argument("--step", type=_count, help="checkpoint step [the last]")
     ev.add_argument(
-        "--max-tokens", type=int, default=0, help="score only the first N bytes (0: all)"
+        "--max-tokens", type=_count, default=0, help="score only the first N bytes (0: all)"
     )
-    ev.add_argument("--batch-size", type=int, default=0, help="sequences per batch [the run's]")
+    ev.add_argument(
+        "--batch-size", type=_count, default=0, help="sequences per batch (0: the run's) [0]"
+    )
+    ev.add_argument("--quiet", action="store_true", help="no progress bar")
     ev.set_defaults(func=cmd_eval)
     return root
 

@@ -77,7 +77,7 @@ def test_compare_writes_the_report_with_its_plots(compared, capsys):
         "nvfp4-no-hadamard",
         "nvfp4-no-bf16-tail",
     ]
-    assert sorted(p.name for p in (out / "runs").iterdir()) == sorted(names)
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(names)
     report = (out / "report.md").read_text()
     assert (
         "| run | val loss | gap to BF16 |" in report and f"report: {out / 'report.md'}" in printed
@@ -95,14 +95,14 @@ def test_compare_writes_the_report_with_its_plots(compared, capsys):
     assert f"Noise floor: `bf16-seed1` ends {table['bf16-seed1']['gap_pct']:+.2f}%" in report
     # The banner names the torch the runs recorded, not the one writing the report.
     assert f"torch {torch.__version__}. " in report
-    summary = json.loads((out / "runs" / "bf16" / "summary.json").read_text())
+    summary = json.loads((out / "bf16" / "summary.json").read_text())
     assert summary["torch"] == torch.__version__
     assert all(row["status"] == "done" and row["val_loss"] > 0 for row in table.values())
     # One run after another on one device: none shared it, so every speed compares with BF16's.
     assert all(row["shared_pct"] == 0 and row["speed_vs_bf16"] > 0 for row in table.values())
     assert "shared" not in report.split("## Loss curves")[0].split("|", 1)[1]
     # The ablation differs from the full recipe in its one switch only.
-    config = json.loads((out / "runs" / "nvfp4-no-hadamard" / "config.json").read_text())
+    config = json.loads((out / "nvfp4-no-hadamard" / "config.json").read_text())
     assert config["recipe"] == "nvfp4" and config["hadamard"] is False
 
 
@@ -127,7 +127,7 @@ def test_compare_only_runs_one_variant(tmp_path):
         *FAST,
     ]
     assert main(args) == 0
-    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["mxfp8"]
+    assert [p.name for p in tmp_path.iterdir()] == ["mxfp8"]
     assert not (tmp_path / "report.md").exists()
 
 

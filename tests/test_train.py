@@ -77,6 +77,7 @@ def test_a_run_writes_its_files_and_its_loss_falls(bf16_run):
     assert {p.name for p in (out / "checkpoints" / "step_000060").iterdir()} == {
         "model.safetensors",
         "trainer.safetensors",
+        "manifest.json",
     }
     assert summary["status"] == "done" and summary["steps"] == 60
     train_rows = rows(out, "train")
@@ -202,7 +203,7 @@ def test_a_corrupt_checkpoint_gets_one_clear_error(bf16_run, tmp_path):
     weights = copy / "checkpoints" / "step_000060" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
     cfg = TrainConfig.load(copy / "config.json")
-    with pytest.raises(UsageError, match="step_000060 is corrupt or incomplete"):
+    with pytest.raises(UsageError, match="step_000060 is corrupt: model.safetensors has 100 bytes"):
         train(cfg, copy, resume=True, progress=False)
     with pytest.raises(UsageError, match="already holds a run; pass --resume"):
         train(cfg, copy, progress=False)

@@ -12,8 +12,9 @@ feature of the full NVFP4 recipe off, each in its own run:
 `noise_floor` (the CLI's default) adds `bf16-seed{seed+1}`, a second BF16 run with another seed:
 a recipe's gap to BF16 no larger than that run's is no evidence of a difference.
 
-Runs live in `OUT/runs/NAME`. A finished run whose config matches is reused, an unfinished one
-is resumed, and one with another config is an error, so rerunning `compare` after a crash or a
+Runs live in `OUT/NAME` (`OUT/runs/NAME` in comparisons made before, still found there). A
+finished run whose config matches is reused, an unfinished one is resumed (with the checks of
+`train --resume`), and one with another config is an error, so rerunning `compare` after a crash or a
 `max_minutes` pause continues where it stopped, and `--only NAME` lets separate processes (one
 per GPU) fill the same comparison before a last plain `compare` writes the report.
 """
@@ -26,10 +27,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import blockscale.recipes as recipes
-from blockscale.train.config import TrainConfig
+from blockscale.train.config import TrainConfig, differences
 from blockscale.train.errors import UsageError
 from blockscale.train.loop import train
-from blockscale.train.report import write_report
+from blockscale.train.report import variant_dir, write_report
 
 FINISHED = ("done", "diverged")
 DEFAULT_RECIPES = ("bf16", "nvfp4", "mxfp8", "nvfp4_fwd_mxfp8_bwd")
@@ -75,30 +76,27 @@ def variants(
     return runs
 
 
-def _config_difference(run_dir: Path, cfg: TrainConfig) -> str | None:
-    saved = TrainConfig.load(run_dir / "config.json")
-    # Bookkeeping fields may change between invocations without changing the numbers.
-    free = {"compile", "device", "max_minutes", "keep_checkpoints", "ckpt_every"}
-    for f in dataclasses.fields(TrainConfig):
-        old, new = getattr(saved, f.name), getattr(cfg, f.name)
-        if f.name not in free and old != new:
-            return f"{f.name}: {old!r} there, {new!r} now"
-    return None
+# What may differ between invocations of one comparison: where and how fast it runs, and its
+# checkpoints. Unlike `train --resume`, not `steps` nor the logging cadence: every run of a
+# comparison must log the same rows for the same number of steps.
+COMPARE_FREE = frozenset({"compile", "device", "max_minutes", "keep_checkpoints", "ckpt_every"})
 
 
 def run_variant(name: str, cfg: TrainConfig, out: Path, progress: bool = True) -> dict:
-    run_dir = out / "runs" / name
+    run_dir = variant_dir(out, name)
     if (run_dir / "config.json").exists():
-        diff = _config_difference(run_dir, cfg)
-        if diff:
+        diffs = differences(TrainConfig.load(run_dir / "config.json"), cfg, COMPARE_FREE)
+        if diffs:
             raise UsageError(
-                f"{run_dir} holds a run with another config ({diff}); choose another --out"
+                f"{run_dir} holds a run with another config ({'; '.join(diffs)}); "
+                "choose another --out"
             )
         summary_path = run_dir / "summary.json"
         if summary_path.exists() and json.loads(summary_path.read_text())["status"] == "done":
             print(f"{name}: finished run found in {run_dir}, reused")
             return json.loads(summary_path.read_text())
-    return train(cfg, run_dir, resume=True, progress=progress)
+        return train(cfg, run_dir, resume=True, progress=progress)
+    return train(cfg, run_dir, progress=progress)
 
 
 def compare(
@@ -117,7 +115,7 @@ def compare(
     out = Path(out)
     runs = variants(base, list(names), list(ablate), noise_floor)
     if report_only:
-        present = [name for name in runs if (out / "runs" / name / "config.json").exists()]
+        present = [name for name in runs if (variant_dir(out, name) / "config.json").exists()]
         if not present:
             raise UsageError(f"{out} holds none of this comparison's runs ({', '.join(runs)})")
         return write_report(out, present), True

@@ -43,8 +43,8 @@ import torch.nn.functional as F
 import blockscale.nn as bsnn
 from blockscale.models import moe_layers
 from blockscale.ops import EXACT_INDUCTOR_OPTIONS
-from blockscale.train import build, checkpoint, telemetry
-from blockscale.train.config import TrainConfig
+from blockscale.train import build, checkpoint, files, telemetry
+from blockscale.train.config import RESUMABLE, TrainConfig, differences, identity
 from blockscale.train.data import Batches, load_corpus
 from blockscale.train.errors import UsageError
 from blockscale.train.evaluate import evaluate
@@ -56,27 +56,56 @@ except ImportError:  # tqdm is a dependency, but a bare GPU image may lack it
 
 
 class Metrics:
-    """Append-only JSONL, flushed per row; `truncate_after(step)` drops rows past a checkpoint."""
+    """Append-only JSONL, one row per line. A crash can tear only the last line (the one being
+    appended); readers drop it, and `truncate_after(step)` rewrites the file without it and
+    without the rows past a checkpoint, atomically (a crash leaves the old file or the new)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
     def truncate_after(self, step: int) -> None:
         if self.path.exists():
-            rows = [line for line in self.path.read_text().splitlines() if line.strip()]
-            kept = [r for r in rows if json.loads(r).get("step", 0) <= step]
-            self.path.write_text("".join(r + "\n" for r in kept))
+            kept = [row for row in parse_metrics(self.path) if row.get("step", 0) <= step]
+            files.write_atomic(self.path, "".join(json.dumps(row) + "\n" for row in kept))
 
     def write(self, row: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        files.append_line(self.path, json.dumps(row))
+
+    def sync(self) -> None:
+        """Make the rows so far durable (before a checkpoint that counts on them)."""
+        if self.path.exists():
+            files.fsync_file(self.path)
+
+
+def parse_metrics(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl. A last line that does not parse, or lacks its newline, is
+    a row cut short by a crash and is dropped; a bad line before it is corruption."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e}") from None
+    # The piece after the last newline is "" in a whole file, else a row cut short: dropped.
+    lines = text.split("\n")[:-1]
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not isinstance(row, dict):
+            raise UsageError(
+                f"{path} line {number} is not a JSON object ({line[:40]!r}); only the last "
+                "line can be torn by a crash, so this file was damaged otherwise"
+            )
+        rows.append(row)
+    return rows
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    path = Path(run_dir) / "metrics.jsonl"
+    return parse_metrics(path) if path.exists() else []
 
 
 class _StopRequest:
@@ -106,11 +135,41 @@ def _say(message: str, bar) -> None:
     (bar.write if bar is not None else print)(message)
 
 
+def saved_config(run_dir: Path) -> TrainConfig:
+    """The config.json of the run to resume; refuses a missing folder or file."""
+    if not run_dir.is_dir():
+        raise UsageError(f"cannot resume {run_dir}: there is no such run directory")
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise UsageError(
+            f"cannot resume {run_dir}: it has no config.json, so nothing says what the run was"
+        )
+    return TrainConfig.load(path)
+
+
+def check_resumable(cfg: TrainConfig, run_dir: Path) -> None:
+    """Refuse to continue what is not the run `cfg` describes: a missing folder or config.json,
+    or a config.json that differs in a field outside RESUMABLE (each difference named)."""
+    diffs = differences(saved_config(run_dir), cfg)
+    if diffs:
+        raise UsageError(
+            f"cannot resume {run_dir}: settings that define the run differ from its "
+            f"config.json ({'; '.join(diffs)}); only {', '.join(sorted(RESUMABLE))} may change"
+        )
+
+
 def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool = True) -> dict:
-    """Train (or continue training) the run in `run_dir`; returns its summary."""
+    """Train (or continue training) the run in `run_dir`; returns its summary.
+
+    Nothing in `run_dir` is written until the run is built and, when resuming, its checkpoint
+    has loaded: a resume that fails leaves the run as it was."""
     run_dir = Path(run_dir)
     metrics = Metrics(run_dir / "metrics.jsonl")
-    if not resume and (metrics.path.exists() or checkpoint.checkpoint_dirs(run_dir)):
+    if resume:
+        check_resumable(cfg, run_dir)
+    elif run_dir.exists() and not run_dir.is_dir():
+        raise UsageError(f"{run_dir} is a file, not a run directory; choose another --out")
+    elif metrics.path.exists() or checkpoint.checkpoint_dirs(run_dir):
         raise UsageError(
             f"{run_dir} already holds a run; pass --resume to continue it, or choose another --out"
         )
@@ -120,14 +179,14 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     seq_len = model.config.seq_len
     batches = Batches(corpus.train, seq_len, cfg.batch_size, cfg.seed)
     optimizer = build.build_optimizer(model, cfg, device)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg.save(run_dir / "config.json")
-    (run_dir / "summary.json").unlink(missing_ok=True)
 
     start, partial = 0, {"loss_sum": 0.0, "loss_steps": 0}
     ckpts = checkpoint.checkpoint_dirs(run_dir)
     if resume and ckpts:
-        start, partial = checkpoint.load(ckpts[-1], model, optimizer)
+        start, partial = checkpoint.load(ckpts[-1], model, optimizer, run=identity(cfg))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.save(run_dir / "config.json")
+    (run_dir / "summary.json").unlink(missing_ok=True)
     metrics.truncate_after(start if start else -1)  # a fresh start keeps no rows
 
     # Inductor's default fast math (approximate division, dropped BF16 round trips, FMA) would
@@ -166,6 +225,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     memory.restart()
 
     status, step, started = "done", start, time.perf_counter()
+    reached = start  # optimizer steps completed: the summary's step, whatever the row cadence
     # The loss of the steps since the last row; a checkpoint carries it over, so a resumed run
     # writes the same mean loss in its next row as an uninterrupted one.
     loss_sum = torch.tensor(partial["loss_sum"], device=device)
@@ -216,7 +276,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                 optimizer.zero_grad(set_to_none=True)
                 loss_steps += 1
                 timed_steps += 1
-                done = step + 1
+                done = reached = step + 1
                 last = done == cfg.steps
                 if bar is not None:
                     bar.update(1)
@@ -278,6 +338,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                     or out_of_time
                     or (cfg.ckpt_every and done % cfg.ckpt_every == 0)
                 ):
+                    metrics.sync()  # the rows up to `done` are on disk before its checkpoint
                     checkpoint.save(
                         run_dir,
                         done,
@@ -285,6 +346,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                         optimizer,
                         carried(),
                         cfg.keep_checkpoints,
+                        run=identity(cfg),
                     )
                 memory.restart()  # the next steps' peak starts here
                 excluded += time.perf_counter() - t0
@@ -303,8 +365,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     finally:
         if bar is not None:
             bar.close()
-    summary = summarize(run_dir, cfg, recipe, status, n_params, device)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    summary = summarize(run_dir, cfg, recipe, status, n_params, device, reached, tokens_per_step)
+    files.write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
 
 
@@ -336,7 +398,18 @@ def device_id(device: torch.device) -> str:
     return f"{socket.gethostname()}/{which}"
 
 
-def summarize(run_dir: Path, cfg: TrainConfig, recipe, status: str, n_params: int, device) -> dict:
+def summarize(
+    run_dir: Path,
+    cfg: TrainConfig,
+    recipe,
+    status: str,
+    n_params: int,
+    device,
+    steps: int,
+    tokens_per_step: int,
+) -> dict:
+    """The run's summary. `steps`: the optimizer steps completed (the newest checkpoint's step
+    when the run stopped cleanly), which can be past the last training row's."""
     rows = read_metrics(run_dir)
     train_rows = [r for r in rows if r["kind"] == "train"]
     evals = [r for r in rows if r["kind"] == "eval"]
@@ -354,8 +427,8 @@ def summarize(run_dir: Path, cfg: TrainConfig, recipe, status: str, n_params: in
         "device": str(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
         "device_id": device_id(device),
         "torch": torch.__version__,
-        "steps": train_rows[-1]["step"] if train_rows else 0,
-        "tokens": train_rows[-1]["tokens"] if train_rows else 0,
+        "steps": steps,
+        "tokens": steps * tokens_per_step,
         "final_loss": train_rows[-1]["loss"] if train_rows else None,
         "val_loss": evals[-1]["val_loss"] if evals else None,
         "val_bpb": evals[-1]["val_bpb"] if evals else None,

@@ -1,6 +1,7 @@
 """Reports of a comparison: a Markdown page, its PNG plots, and the same table as JSON.
 
-From the runs in `OUT/runs/*` (their `config.json`, `summary.json`, `metrics.jsonl`):
+From the runs in `OUT/NAME` (their `config.json`, `summary.json`, `metrics.jsonl`; a comparison
+made before runs sat directly in OUT keeps them in `OUT/runs/NAME`, which is still read):
 
 - `report.md`: the table (final held-out loss, relative gap to BF16, bits per byte, tokens/s,
   speed relative to BF16, peak GPU memory), the plots, and the numerics telemetry: for each
@@ -33,6 +34,13 @@ from blockscale.train.loop import read_metrics
 BASELINE = "bf16"
 # panel order: the recipe's operand order (forward, then the two backward GEMMs)
 OPERANDS = tuple(name for name, _ in recipes.get(BASELINE).operands())
+
+
+def variant_dir(out: Path, name: str) -> Path:
+    """Where a comparison keeps its run `name`: `OUT/NAME`, or the older `OUT/runs/NAME`
+    where that run already exists."""
+    legacy = Path(out) / "runs" / name
+    return legacy if (legacy / "config.json").exists() else Path(out) / name
 
 
 def load_run(run_dir: Path) -> dict:
@@ -383,6 +391,28 @@ def _moe_section(runs: list[dict]) -> list[str]:
     ]
 
 
+# The narrowest SQNR span a heatmap's colours cover. Stretching a narrower spread over the whole
+# colour map paints noise as structure: an MXFP8 run's operands all sit within a dB of 31 dB,
+# and a 0.6 dB colour range made them look as different as NVFP4's best and worst layers.
+# 6 dB is a factor of 4 in noise power.
+MIN_SPAN_DB = 6.0
+
+
+def heatmap_range(values: list[float]) -> tuple[float, float]:
+    """(vmin, vmax) of a telemetry heatmap: the 2nd to 98th percentile of the finite SQNRs, so
+    that one outlier (an operand quantized without error reads hundreds of dB) does not wash
+    out the rest, widened about its middle to at least MIN_SPAN_DB."""
+    finite = sorted(v for v in values if math.isfinite(v))
+    if not finite:
+        return 0.0, MIN_SPAN_DB
+    lo = finite[round(0.02 * (len(finite) - 1))]
+    hi = finite[round(0.98 * (len(finite) - 1))]
+    if hi - lo < MIN_SPAN_DB:
+        mid = (lo + hi) / 2
+        lo, hi = mid - MIN_SPAN_DB / 2, mid + MIN_SPAN_DB / 2
+    return lo, hi
+
+
 def plot(out: Path, runs: list[dict]) -> list[tuple[str, str]]:
     """Write the PNGs; returns (caption, file name) pairs."""
     import matplotlib
@@ -452,9 +482,9 @@ def plot(out: Path, runs: list[dict]) -> list[tuple[str, str]]:
             continue
         layers = list(next(iter(grid.values())))
         values = [v for by_layer in grid.values() for series in by_layer.values() for v in series]
-        finite = [v for v in values if math.isfinite(v)]
         # One color scale for every panel, so operands compare with each other too.
-        scale = {"vmin": min(finite, default=0.0), "vmax": max(finite, default=1.0)}
+        vmin, vmax = heatmap_range(values)
+        scale = {"vmin": vmin, "vmax": vmax}
         cols = min(3, len(grid))
         nrows = -(-len(grid) // cols)
         fig, axes = plt.subplots(
@@ -480,7 +510,17 @@ def plot(out: Path, runs: list[dict]) -> list[tuple[str, str]]:
             ax.set_xticks(ticks, [str(steps[i]) for i in ticks], fontsize=7)
             ax.set_xlabel("step", fontsize=8)
         fig.tight_layout(rect=(0, 0, 0.92, 0.94))
-        fig.colorbar(image, ax=list(axes.flat), label="SQNR (dB)", fraction=0.02, pad=0.02)
+        finite = [v for v in values if math.isfinite(v)]
+        beyond = (min(finite, default=vmin) < vmin, max(finite, default=vmax) > vmax)
+        extend = {(0, 0): "neither", (1, 0): "min", (0, 1): "max", (1, 1): "both"}[beyond]
+        fig.colorbar(
+            image,
+            ax=list(axes.flat),
+            label="SQNR (dB)",
+            fraction=0.02,
+            pad=0.02,
+            extend=extend,
+        )
         fig.suptitle(
             f"{run['name']}: SQNR of each quantized operand against BF16 (low = hurts)", fontsize=10
         )
@@ -492,11 +532,10 @@ def plot(out: Path, runs: list[dict]) -> list[tuple[str, str]]:
 
 
 def write_report(out: Path, names: list[str]) -> Path:
-    """Write report.md, report.json and the plots for the runs `names` under `out/runs/`."""
+    """Write report.md, report.json and the plots for the runs `names` in `out`."""
     out = Path(out)
-    runs = [
-        load_run(out / "runs" / n) for n in names if (out / "runs" / n / "config.json").exists()
-    ]
+    dirs = [variant_dir(out, n) for n in names]
+    runs = [load_run(d) for d in dirs if (d / "config.json").exists()]
     rows = table(runs)
     try:
         plots = plot(out, runs)
