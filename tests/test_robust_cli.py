@@ -1,0 +1,120 @@
+"""Bad command lines end in one line on stderr and status 2, before anything is built; each
+case here was a traceback or was accepted with odd behaviour (issue 18)."""
+
+import dataclasses
+import json
+
+import pytest
+
+import blockscale
+from blockscale.cli import main
+from blockscale.train import TrainConfig, UsageError
+from blockscale.train.config import field_problem
+
+
+def fails_with(args, capsys) -> str:
+    """Run the CLI on `args`; it must exit 2 with one line on stderr, returned."""
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--lr", "-1", "argument --lr: -1 must be > 0"),
+        ("--lr", "0", "argument --lr: 0 must be > 0"),
+        ("--lr", "nan", "argument --lr: nan is not a finite number"),
+        ("--lr", "inf", "argument --lr: inf is not a finite number"),
+        ("--beta1", "1.5", "argument --beta1: 1.5 must lie in [0, 1)"),
+        ("--beta2", "1", "argument --beta2: 1 must lie in [0, 1)"),
+        ("--seq-len", "-16", "argument --seq-len: -16 must be at least 0"),
+        ("--weight-decay", "-5", "argument --weight-decay: -5 must be at least 0"),
+        ("--grad-clip", "-1", "argument --grad-clip: -1 must be at least 0"),
+        ("--ckpt-every", "-1", "argument --ckpt-every: -1 must be at least 0"),
+        ("--eval-every", "-1", "argument --eval-every: -1 must be at least 0"),
+        ("--keep-checkpoints", "-1", "argument --keep-checkpoints: -1 must be at least 0"),
+        ("--max-minutes", "-1", "argument --max-minutes: -1 must be at least 0"),
+        ("--eval-tokens", "-5", "argument --eval-tokens: -5 must be at least 0"),
+        ("--warmup-steps", "-10", "argument --warmup-steps: -10 must be at least 0"),
+        ("--steps", "0", "argument --steps: 0 must be at least 1"),
+        ("--batch-size", "abc", "argument --batch-size: 'abc' is not an integer"),
+        ("--batch-size", "2.5", "argument --batch-size: '2.5' is not an integer"),
+        ("--bf16-tail", "1.5", "argument --bf16-tail: 1.5 must lie in [0, 1]"),
+        ("--seed", "-1", "argument --seed: -1 must lie in [0, "),
+        ("--schedule", "linear", "argument --schedule: invalid choice: 'linear'"),
+    ],
+)
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_every_numeric_flag_has_its_range(command, flag, value, message, capsys):
+    err = fails_with([command, flag, value], capsys)
+    assert f"blockscale {command}: error: {message}" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["eval", "--run", "x", "--batch-size", "-1"], "--batch-size: -1 must be at least 0"),
+        (["eval", "--run", "x", "--max-tokens", "-5"], "--max-tokens: -5 must be at least 0"),
+        (["eval", "--run", "x", "--step", "-2"], "--step: -2 must be at least 0"),
+        (["train", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_other_bad_flags_get_one_line(args, message, capsys):
+    assert message in fails_with(args, capsys)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out == f"blockscale {blockscale.__version__}\n"
+
+
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_out_naming_a_file_is_refused(command, tmp_path, capsys):
+    file = tmp_path / "notes.txt"
+    file.write_text("mine\n")
+    assert main([command, "--out", str(file)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {file} is a file, not a directory" in err and err.count("\n") == 1
+    assert file.read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("recipes", ["", " , "])
+def test_compare_with_no_recipe_is_refused(recipes, tmp_path, capsys):
+    assert main(["compare", "--out", str(tmp_path / "c"), "--recipes", recipes]) == 2
+    err = capsys.readouterr().err
+    assert "names no recipe" in err and err.count("\n") == 1
+    assert not (tmp_path / "c").exists()
+
+
+def test_the_library_config_checks_the_same_ranges():
+    with pytest.raises(UsageError, match=r"lr=-1 must be > 0"):
+        TrainConfig(lr=-1)
+    with pytest.raises(UsageError, match=r"grad_clip=nan is not a finite number"):
+        TrainConfig(grad_clip=float("nan"))
+    with pytest.raises(UsageError, match=r"steps='10' is not an integer"):
+        TrainConfig(steps="10")
+    with pytest.raises(UsageError, match=r"compile=1 is not true or false"):
+        TrainConfig(compile=1)
+    # Every numeric field has a range (a field added without one would take any value).
+    for f in dataclasses.fields(TrainConfig):
+        if f.type in ("int", "float", int, float):
+            assert f.metadata["range"] is not None, f.name
+            assert field_problem(f, -(10**30)) is not None, f.name
+
+
+def test_a_hand_edited_config_json_gets_one_clear_error(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model": "tiny", "batch_size": -4}))
+    assert main(["train", "--resume", "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "config.json: batch_size=-4 must be at least 1" in err
+    (run / "config.json").write_text("[1, 2]")
+    assert main(["train", "--resume", "--out", str(run)]) == 2
+    assert "is not a JSON object" in capsys.readouterr().err
