@@ -6,7 +6,8 @@ and the one switch that says where the Triton kernels run (`use_kernels`).
 otherwise) and returns a caller that picks, per call:
 
 - under torch.compile (Dynamo tracing), the registered op: the graph holds one opaque op, so
-  Inductor neither retraces its numerics nor drops it;
+  Inductor neither retraces its numerics nor drops it, and the compiled step runs the very
+  kernels eager runs (same bits, no Inductor options needed for them);
 - in eager mode, the function itself, with `wrap_triton` switched to launching the kernel
   directly (what triton_op's own eager path does): the dispatcher's per-call cost is skipped,
   which matters because a linear step makes a dozen of these calls and small layers are
@@ -14,11 +15,25 @@ otherwise) and returns a caller that picks, per call:
 
 Both run the same code on the same tensors, so the results are the same bits.
 The registered op stays reachable as `caller.op` and as `torch.ops.blockscale.<name>`.
+
+Opaque under compile, not inlined. A plain `triton_op` is decomposed by AOTAutograd into its
+`wrap_triton` kernel calls, so that Inductor can schedule them itself. That costs compile time
+in proportion to the number of calls, not of distinct kernels: each traced call has the
+kernel's Triton IR generated and walked to find what it writes (torch's
+`identify_accessed_tensors`, uncached), and Inductor then emits and compiles each call site as a
+user-defined kernel. A converted model makes about ten such calls per linear layer per step
+(a 16-block Llama: ~1,000), which is where a whole-model compile stalled, while Inductor has
+nothing to gain: our kernels write fresh outputs and nothing around them fuses into them. So
+the FunctionalTensorMode rule of every Triton-backed op here keeps the op whole (as
+torch.export does); Inductor calls it as an extern kernel, whose launch is the eager one.
+`INLINE_TRITON_KERNELS = True` restores torch's decomposition (read at trace time; for
+comparisons, e.g. `benchmarks/bench_model.py --inline-triton`).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
@@ -30,6 +45,24 @@ try:  # private: the switch triton_op's own eager path uses; without it, eager u
 except ImportError:  # pragma: no cover - depends on the torch version
     set_wrap_triton_enabled = None
 
+# False: Triton-backed ops stay single opaque ops in compiled graphs (see the module docstring).
+INLINE_TRITON_KERNELS = False
+
+
+def _keep_whole_under_functionalization(op: Any) -> None:
+    """Make AOTAutograd's functionalization keep the triton_op `op` as one op, unless
+    INLINE_TRITON_KERNELS asks for torch's decomposition into its kernel launches."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode  # noqa: PLC0415
+
+    decompose = op._torch_dispatch_fns[FunctionalTensorMode]
+
+    def rule(mode: Any, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        if INLINE_TRITON_KERNELS:
+            return decompose(mode, func, types, args, kwargs)
+        return mode.__torch_dispatch__(func, types, args, kwargs)
+
+    op.register_torch_dispatch(FunctionalTensorMode, rule)
+
 
 def library_op(
     name: str, mutates_args: Iterable[str] = (), triton: bool = False
@@ -37,6 +70,8 @@ def library_op(
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         make = torch.library.triton_op if triton else torch.library.custom_op
         op = make(name, mutates_args=tuple(mutates_args))(fn)
+        if triton:
+            _keep_whole_under_functionalization(op)
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -55,13 +90,20 @@ def library_op(
     return register
 
 
-@functools.cache
+# Looked up once, at import: whether Triton is installed (find_spec does not import it).
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def kernels() -> ModuleType | None:
-    """blockscale.kernels, or None where Triton is not installed (CPU-only installs)."""
-    try:
-        from blockscale import kernels as module  # noqa: PLC0415 (Triton is optional)
-    except ImportError:
+    """blockscale.kernels, or None where Triton is not installed (CPU-only installs).
+
+    No functools.cache and no global written here: Dynamo traces through a cache wrapper (and
+    warns that it does), and a global stored inside a traced autograd.Function is a side
+    effect it refuses. An import of a loaded module is a dict lookup, and Dynamo's constant."""
+    if not HAS_TRITON:
         return None
+    from blockscale import kernels as module  # noqa: PLC0415 (Triton is optional)
+
     return module
 
 

@@ -11,8 +11,10 @@ stay inside the CI time budget.
 
 Inductor relaxes by default what the quantizers rely on (Triton's FP32 `/` is approximate,
 BF16 round trips between fused ops are dropped, `a * b + c` may become an FMA);
-`blockscale.ops.EXACT_INDUCTOR_OPTIONS` restores eager's behaviour and docs/RECIPES.md tells
-users to compile with it. Every compile test here runs under it.
+`blockscale.ops.EXACT_INDUCTOR_OPTIONS` restores eager's behaviour for that CPU reference path.
+The Triton kernel path (CUDA) needs no options: its quantizers and GEMM epilogues are opaque
+library ops that Inductor calls as they are (blockscale/_library.py), which the kernel-path
+tests here check in Triton's interpreter and the GPU tests check under plain torch.compile.
 """
 
 import pytest
@@ -36,7 +38,7 @@ class MLP(nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
-def eager_and_compiled(recipe, device="cpu"):
+def eager_and_compiled(recipe, device="cpu", options=EXACT_INDUCTOR_OPTIONS):
     torch.manual_seed(0)
     model = bsnn.convert(MLP().to(device), recipe)
     assert isinstance(model.up, bsnn.Linear) and isinstance(model.down, bsnn.Linear)
@@ -45,7 +47,7 @@ def eager_and_compiled(recipe, device="cpu"):
     results = []
     for fn in (
         model,
-        torch.compile(model, fullgraph=True, options=EXACT_INDUCTOR_OPTIONS),
+        torch.compile(model, fullgraph=True, options=options),
     ):
         model.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_(True)
@@ -74,10 +76,12 @@ def test_compiled_nvfp4_mlp_equals_eager():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["nvfp4", "nvfp4_fwd_mxfp8_bwd", "mxfp8"])
-def test_gpu_compiled_mlp_equals_eager(name):
+@pytest.mark.parametrize("options", [EXACT_INDUCTOR_OPTIONS, None], ids=["exact", "plain"])
+def test_gpu_compiled_mlp_equals_eager(name, options):
+    """Also under plain torch.compile: on CUDA every quantizer and epilogue is an opaque op."""
     torch._dynamo.reset()
     switches = {"stochastic_rounding": False} if name == "nvfp4" else {}
-    eager, compiled = eager_and_compiled(recipes.get(name, **switches), device="cuda")
+    eager, compiled = eager_and_compiled(recipes.get(name, **switches), "cuda", options)
     assert_identical(eager, compiled)
 
 
@@ -98,47 +102,103 @@ def test_gpu_compiled_stochastic_rounding_is_reproducible_under_a_seed():
     assert torch.equal(grads[0], grads[1]) and not torch.equal(grads[0], grads[2])
 
 
-def test_compile_first_kernel_path_caches_no_fake_hadamard(monkeypatch):
-    """Compiling before any eager call must not leave a fake tensor in a cache that a later
-    trace captures as a constant (seen on the GPU: "Unexpected fake buffer _tensor_constant0",
-    from the RHT matrix cached under Dynamo's FakeTensorMode by the op's fake impl).
+class _Launch:
+    """Stands in for torch.library.wrap_triton on the CPU, where it refuses interpreted kernels
+    under tracing: real tensors launch the kernel in the interpreter; under a trace the launch
+    is skipped (the kernel HOP's fake impl does nothing), except that a functional trace reads
+    every traced argument, as the functional HOP does (real tensors are constants it captures
+    as they are)."""
 
-    Runs the Triton kernel path on the CPU. wrap_triton refuses interpreted kernels under
-    tracing, so it is stubbed: eager calls launch the kernel in the interpreter; under a trace
-    the launch is skipped (the kernel HOP's fake impl does nothing) except that AOT's trace
-    reads every traced argument, as the functional HOP does (real tensors are constants it
-    captures as they are). The compiled outputs are not checked: the launches are stubs."""
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch._subclasses.functional_tensor import FunctionalTensor
+
+        def launch(*args, **kwargs):
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            if not any(isinstance(t, (FakeTensor, FunctionalTensor)) for t in tensors):
+                return self.kernel[grid](*args, **kwargs)
+            if any(isinstance(t, FunctionalTensor) for t in tensors):
+                for t in tensors:
+                    if isinstance(t, (FakeTensor, FunctionalTensor)):
+                        t.sum()
+
+        return launch
+
+
+@pytest.fixture
+def kernel_path_on_cpu(monkeypatch):
+    """linear() on the Triton kernel path with CPU tensors (Triton's interpreter)."""
     pytest.importorskip("triton")
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
     from blockscale import _library
     from blockscale.kernels import _common
 
-    class Launch:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-                if not any(isinstance(t, (FakeTensor, FunctionalTensor)) for t in tensors):
-                    return self.kernel[grid](*args, **kwargs)
-                if any(isinstance(t, FunctionalTensor) for t in tensors):
-                    for t in tensors:
-                        if isinstance(t, (FakeTensor, FunctionalTensor)):
-                            t.sum()
-
-            return launch
-
-    monkeypatch.setattr(torch.library, "wrap_triton", Launch)
+    monkeypatch.setattr(torch.library, "wrap_triton", _Launch)
     monkeypatch.setattr(_library, "use_kernels", lambda t: True)
     _common.hadamard_matrix.cache_clear()
     torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_compile_first_kernel_path_caches_no_fake_hadamard(kernel_path_on_cpu):
+    """Compiling before any eager call must not leave a fake tensor in a cache that a later
+    trace captures as a constant (seen on the GPU: "Unexpected fake buffer _tensor_constant0",
+    from the RHT matrix cached under Dynamo's FakeTensorMode by the op's fake impl)."""
+    from blockscale.kernels import _common
+
     torch.manual_seed(0)
     model = bsnn.convert(MLP(), recipes.get("nvfp4", stochastic_rounding=False))
     compiled = torch.compile(model, fullgraph=True, options=EXACT_INDUCTOR_OPTIONS)
     compiled(torch.randn(4, 32, 64, requires_grad=True)).square().sum().backward()
     assert model.up.weight.grad is not None
     assert type(_common.hadamard_matrix(torch.device("cpu"))) is torch.Tensor
-    torch._dynamo.reset()
+
+
+def test_kernel_path_compiles_to_opaque_ops_with_eager_bits(kernel_path_on_cpu):
+    """Under torch.compile every Triton-backed op stays one opaque op (docs in _library.py):
+    AOTAutograd does not decompose it into kernel launches, which cost Triton-IR analysis per
+    call and per-call-site kernel compiles (the GPU compile of a 16-block Llama stalled on
+    them). The compiled step then runs eager's kernels, so it gives eager's bits under plain
+    torch.compile, with no Inductor options. Runs the kernels in Triton's interpreter."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    targets: list[str] = []
+
+    def record(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    recipe = recipes.get("nvfp4", stochastic_rounding=False)
+    torch.manual_seed(0)
+    model = bsnn.convert(MLP(), recipe)
+    x = torch.randn(2, 32, 64)
+    go = torch.randn(2, 32, 64)
+    results = []
+    recorder = aot_autograd(fw_compiler=record, bw_compiler=record)
+    for fn in (model, torch.compile(model, fullgraph=True), torch.compile(model, backend=recorder)):
+        model.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        y = fn(xi)
+        y.backward(go)
+        results.append([y, xi.grad, model.up.weight.grad, model.down.weight.grad])
+    assert any("blockscale.nvfp4_quantize_2d" in t for t in targets), targets
+    assert not [t for t in targets if "triton_kernel_wrapper" in t], targets
+    for name, e, c in zip(["output", "grad_input", "up.grad_weight", "down.grad_weight"],
+                          results[0], results[1]):  # fmt: skip
+        assert torch.equal(e, c), f"{name} differs: max {(e - c).abs().max().item():.3g}"
+
+
+def test_tracing_the_kernel_lookup_does_not_trace_a_cache_wrapper(kernel_path_on_cpu):
+    """`_library.kernels()` is called inside traced code on the kernel path; a functools.cache
+    there made Dynamo warn that it traces through the wrapper, on every compile."""
+    import warnings
+
+    model = bsnn.convert(MLP(), recipes.get("mxfp8"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(model, fullgraph=True, backend="eager")(torch.randn(2, 32, 64))
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
