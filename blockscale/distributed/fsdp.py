@@ -71,6 +71,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from blockscale import _library
+from blockscale.distributed._collectives import all_reduce_amax
 from blockscale.distributed.weight import Container, QuantizedWeight
 from blockscale.formats import mxfp8, nvfp4
 from blockscale.formats.mxfp8 import MXFP8Tensor
@@ -103,15 +104,9 @@ _KEEP_SUBCLASS = {
 
 
 def _shard_amax(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """max |w| over the whole weight from its shards: one all-reduce. NaN anywhere gives NaN
-    (a MAX reduction is not guaranteed to propagate NaN, so it travels as a flag)."""
-    local = (
-        shard.abs().amax().float() if shard.numel() else shard.new_zeros((), dtype=torch.float32)
-    )
-    nan = torch.isnan(local)
-    both = torch.stack((torch.where(nan, torch.full_like(local, float("inf")), local), nan.float()))
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    return torch.where(both[1] > 0, torch.full_like(both[0], float("nan")), both[0])
+    """max |w| over the whole weight from its shards: one all-reduce of a scalar."""
+    local = shard.abs().amax() if shard.numel() else shard.new_zeros(())
+    return all_reduce_amax(local.float(), group)
 
 
 def quantize_shard(
