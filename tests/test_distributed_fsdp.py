@@ -26,6 +26,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -33,7 +34,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 import blockscale as bs
-from blockscale.distributed import QuantizedWeight, enable_quantized_all_gather
+from blockscale.distributed import QuantizedWeight, ShardedWeight, enable_quantized_all_gather
 from blockscale.distributed.launch import run_local
 from blockscale.formats import mxfp8, nvfp4
 from blockscale.models import build_model, model_config
@@ -239,6 +240,22 @@ def _train_worker(rank: int, world_size: int, out_path: str) -> None:
         assert losses == [s[rank] for s in ref_losses], (mp, losses, ref_losses)
         for n, p in model.named_parameters():
             assert torch.equal(p.full_tensor(), ref_params[n]), f"{n} after {steps} steps"
+        if not mp:  # a sharded checkpoint holds the FP32 values and loads back in place
+            path = f"{out_path}.dcp"
+            dcp.save({"model": model.state_dict(), "opt": opt.state_dict()}, checkpoint_id=path)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.zero_()
+            state = {"model": model.state_dict(), "opt": opt.state_dict()}
+            dcp.load(state, checkpoint_id=path)
+            model.load_state_dict(state["model"])
+            linears = {
+                f"{n}.weight" for n, m in model.named_modules() if isinstance(m, bs.nn.Linear)
+            }
+            for n, p in model.named_parameters():
+                # still a ShardedWeight: the next all-gather is quantized again
+                assert isinstance(p.to_local(), ShardedWeight) == (n in linears), n
+                assert torch.equal(p.full_tensor(), ref_params[n]), f"{n} after a checkpoint"
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(sizes, f)

@@ -80,8 +80,9 @@ from blockscale.nn.linear import Linear
 from blockscale.recipes import Format, OperandConfig, Recipe, Rounding
 
 # Ops whose results stay ShardedWeights: the ones FSDP uses to cut the shard out of the full
-# weight and pad it, and plain re-descriptions of the same values. Every other op sees the
-# FP32 tensor and returns plain tensors (optimizer state, arithmetic).
+# weight and pad it, plain re-descriptions of the same values, and moves (`model.to`). Every
+# other op sees the FP32 tensor and returns plain tensors: the optimizer's state
+# (`zeros_like`), arithmetic, clones.
 _KEEP_SUBCLASS = {
     torch.ops.aten.detach.default,
     torch.ops.aten.alias.default,
@@ -95,9 +96,6 @@ _KEEP_SUBCLASS = {
     torch.ops.aten.chunk.default,
     torch.ops.aten.new_zeros.default,
     torch.ops.aten.new_empty.default,
-    torch.ops.aten.empty_like.default,
-    torch.ops.aten.zeros_like.default,
-    torch.ops.aten.clone.default,
     torch.ops.aten._to_copy.default,
     torch.ops.aten._pin_memory.default,
 }
@@ -297,6 +295,12 @@ class ShardedWeight(torch.Tensor):
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"ShardedWeight({self._data!r})"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Saved (torch.save, torch.distributed.checkpoint) as the plain tensor it wraps: a
+        # checkpoint holds values, loads with weights_only=True, and copies back into a
+        # ShardedWeight in place.
+        return self._data.__reduce_ex__(protocol)
 
     def fsdp_pre_all_gather(
         self,
