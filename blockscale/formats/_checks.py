@@ -35,3 +35,36 @@ def check_blocks(rows: int, cols: int, fmt: str, block_rows: int, block_cols: in
             f"rows={rows} is not a multiple of {block_rows} ({fmt} {block_rows}x{block_cols} "
             "blocks also span rows)"
         )
+
+
+def check_amax(amax: object, fmt: str) -> None:
+    """A given tensor amax: a float32 tensor of one value, not negative (NaN and Inf are
+    allowed: they mark non-finite input). The sign is read only from CPU tensors outside
+    torch.compile, where reading it costs no device synchronization."""
+    if not isinstance(amax, torch.Tensor):
+        raise TypeError(
+            f"{fmt} amax must be a float32 torch.Tensor holding one value, got "
+            f"{type(amax).__name__} {amax!r} (wrap it: torch.tensor(value))"
+        )
+    if amax.numel() != 1:
+        raise ValueError(
+            f"{fmt} amax must hold one value (the tensor's max |x|), got shape {tuple(amax.shape)}"
+        )
+    if amax.dtype != torch.float32:
+        raise ValueError(
+            f"{fmt} amax dtype {amax.dtype} is not float32 (the global scale is computed in FP32 "
+            "from the exact amax)"
+        )
+    if amax.device.type == "cpu" and not torch.compiler.is_compiling() and bool(amax < 0):
+        raise ValueError(f"{fmt} amax={amax.item()} is negative: an amax is a max of |x|")
+
+
+def check_codes(codes: torch.Tensor) -> None:
+    """E2M1 codes to pack: uint8 values 0..15 (4 bits each; a larger one would spill into its
+    neighbour's nibble). Values are read only from CPU tensors outside torch.compile."""
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"E2M1 codes must be uint8, got {codes.dtype}")
+    if codes.device.type == "cpu" and not torch.compiler.is_compiling() and codes.numel():
+        top = int(codes.max())
+        if top > 15:
+            raise ValueError(f"E2M1 code {top} is above 15: a code is 4 bits (sign | index 0-7)")

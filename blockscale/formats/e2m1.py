@@ -13,6 +13,8 @@ randomness comes from (PyTorch's generator here, Philox in the kernels).
 
 import torch
 
+from blockscale.formats._checks import check_codes
+
 GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 MAX = 6.0
 SIGN_BIT = 8
@@ -86,7 +88,8 @@ def decode(codes: torch.Tensor) -> torch.Tensor:
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
-    """[..., K] uint8 codes -> [..., K/2] bytes, element 2i in the low nibble."""
+    """[..., K] uint8 codes (0..15) -> [..., K/2] bytes, element 2i in the low nibble."""
+    check_codes(codes)
     if codes.shape[-1] % 2:
         raise ValueError(f"cannot pack {codes.shape[-1]} codes: the last dim must be even")
     return codes[..., 0::2] | (codes[..., 1::2] << 4)

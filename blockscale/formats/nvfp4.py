@@ -19,7 +19,7 @@ import torch
 
 from blockscale.formats import e2m1
 from blockscale.formats import hadamard as rht
-from blockscale.formats._checks import as_2d, check_blocks
+from blockscale.formats._checks import as_2d, check_amax, check_blocks
 from blockscale.formats.scales import E4M3_MAX, FLT_MAX, to_e4m3
 
 BLOCK = 16
@@ -130,8 +130,11 @@ def quantize(
     rounding:  "nearest" (ties to even) or "stochastic" (uniforms from `generator`, or from
                PyTorch's default generator so torch.manual_seed reproduces the bits)
     hadamard:  apply the 16x16 RHT along the quantized dim first (rounded to BF16)
-    amax:      use this tensor amax instead of max|x| (e.g. one reduced over ranks)
+    amax:      use this tensor amax instead of max|x| (e.g. one reduced over ranks): a float32
+               tensor of one value, >= 0 (NaN or Inf for non-finite input)
     """
+    if amax is not None:
+        check_amax(amax, "NVFP4")
     if block not in BLOCKS:
         raise ValueError(f"block={block!r} is not one of {BLOCKS}")
     if rounding not in ROUNDINGS:

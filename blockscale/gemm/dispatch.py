@@ -69,6 +69,10 @@ class Transposed:
                 f"only a 2-D 16x16 NVFP4 tensor transposes exactly (block={self.base.block}, "
                 f"dims={self.base.data.dim()})"
             )
+        if self.base.hadamard:
+            # its transform ran along rows; transposed, it would run along the contraction's
+            # other side, which no GEMM undoes
+            raise ValueError("a Hadamard-transformed NVFP4 tensor has no exact transpose")
 
     @property
     def shape(self) -> torch.Size:
@@ -109,14 +113,32 @@ def _is_nvfp4(op: Operand) -> bool:
     return isinstance(op, NVFP4Tensor | Transposed)
 
 
-def _check(a: Operand, b: Operand) -> None:
+def _hadamard(op: Operand) -> bool:
+    return bool(getattr(op.base if isinstance(op, Transposed) else op, "hadamard", False))
+
+
+def _check(a: Operand, b: Operand, bias: torch.Tensor | None) -> None:
+    """The pairings a block-scaled GEMM can multiply, and the bias it can add."""
     if _is_nvfp4(a) != _is_nvfp4(b):
         raise ValueError(
             f"both operands must share a format, got {type(a).__name__} and {type(b).__name__}"
         )
+    if _hadamard(a) != _hadamard(b):
+        # (A H)(B H)^T = A B^T only when both sides carry the transform; one alone gives
+        # A H B^T, a different product, with no error to show for it.
+        raise ValueError(
+            f"a Hadamard-transformed operand pairs only with another one: a has "
+            f"hadamard={_hadamard(a)}, b has hadamard={_hadamard(b)} (the transform cancels "
+            "in a @ b.T only when both carry it)"
+        )
     if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(
             f"scaled_mm needs a [M, K] and b [N, K], got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (b.shape[0],):
+        raise ValueError(
+            f"bias shape {tuple(bias.shape)} is not ({b.shape[0]},): one value per output "
+            f"column N of a [{a.shape[0]}, {a.shape[1]}] @ [{b.shape[0]}, {b.shape[1]}].T"
         )
 
 
@@ -240,8 +262,8 @@ def scaled_mm(
     bias: torch.Tensor | None = None,
     backend: Backend | str = Backend.AUTO,
 ) -> torch.Tensor:
-    """a @ b.T * alpha (+ bias, added in FP32 before the single cast to `out_dtype`)."""
-    _check(a, b)
+    """a @ b.T * alpha (+ bias [N], added in FP32 before the single cast to `out_dtype`)."""
+    _check(a, b, bias)
     if out_dtype not in emulated.OUT_DTYPES:
         raise ValueError(f"out_dtype {out_dtype} is not one of {emulated.OUT_DTYPES}")
     if bias is not None:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import warnings
 from pathlib import Path
 
 import torch
 
 import blockscale.nn as bsnn
 import blockscale.recipes as recipes
-from blockscale import models
+from blockscale import _library, models
 from blockscale.models import SIZES, ModelConfig, MoEConfig, Transformer, model_config
 from blockscale.train.config import TrainConfig
 from blockscale.train.errors import UsageError
@@ -106,6 +107,26 @@ def check_memory(mcfg: ModelConfig, cfg: TrainConfig, device: torch.device) -> N
         )
 
 
+@functools.cache
+def _warn_reference_path(device_type: str) -> None:
+    warnings.warn(
+        f"the Triton kernels could not be loaded, so quantized layers on {device_type} run "
+        "the pure-PyTorch reference path: the same numbers, many times slower (is triton "
+        "installed? `python -c 'import blockscale.kernels'` shows why it fails)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def warn_if_reference_path(device: torch.device, recipe: recipes.Recipe) -> bool:
+    """Warn once per process when a quantized recipe will run on CUDA without the kernels (they
+    failed to import): the run would otherwise be many times slower without a word."""
+    slow = device.type == "cuda" and recipe.quantized and _library.kernels() is None
+    if slow:
+        _warn_reference_path(device.type)
+    return slow
+
+
 def build_model(cfg: TrainConfig, device: torch.device) -> tuple[Transformer, recipes.Recipe]:
     """The model, initialized from `cfg.seed` and converted to the recipe (a BF16 recipe is
     not converted: the baseline is plain `nn.Linear`)."""
@@ -117,6 +138,7 @@ def build_model(cfg: TrainConfig, device: torch.device) -> tuple[Transformer, re
             "F.grouped_mm takes BF16 operands only, and on the CPU the experts run in FP32"
         )
     check_memory(mcfg, cfg, device)
+    warn_if_reference_path(device, recipe)
     torch.manual_seed(cfg.seed)
     model = models.build_model(mcfg).to(device)
     if recipe.quantized:

@@ -1,0 +1,129 @@
+"""Library inputs that were accepted with a wrong result or failed deep inside now raise an
+error that names the rule (issue 18); and two failures of the training path: the telemetry
+probe on a step whose token count is not a multiple of 16, and CUDA silently running the
+reference path when the kernels cannot load."""
+
+import warnings
+
+import pytest
+import torch
+
+from blockscale import gemm, nvfp4, recipes
+from blockscale.formats import e2m1
+from blockscale.train import TrainConfig, build, read_metrics, train
+
+
+def operands(hadamard_a: bool, hadamard_b: bool):
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(32, 64, generator=g), torch.randn(48, 64, generator=g)
+    return nvfp4.quantize(a, hadamard=hadamard_a), nvfp4.quantize(b, hadamard=hadamard_b)
+
+
+@pytest.mark.parametrize(("ha", "hb"), [(True, False), (False, True)])
+def test_scaled_mm_refuses_one_hadamard_operand(ha, hb):
+    """(A H) B^T is not A B^T: the product came out with a relative error of 1.5, no error."""
+    a, b = operands(ha, hb)
+    with pytest.raises(ValueError, match="a Hadamard-transformed operand pairs only with another"):
+        gemm.scaled_mm(a, b)
+
+
+def test_scaled_mm_with_two_hadamard_operands_is_the_plain_product():
+    a, b = operands(True, True)
+    plain_a, plain_b = operands(False, False)
+    exact = plain_a.dequantize() @ plain_b.dequantize().T
+    out = gemm.scaled_mm(a, b)
+    # both operands carry NVFP4 error; the transform cancels, so the product stays close
+    assert (out - exact).norm() / exact.norm() < 0.2
+
+
+def test_a_hadamard_tensor_cannot_stand_for_its_transpose():
+    w = nvfp4.quantize(torch.randn(32, 32), block="16x16", hadamard=True)
+    with pytest.raises(
+        ValueError, match="Hadamard-transformed NVFP4 tensor has no exact transpose"
+    ):
+        gemm.Transposed(w)
+
+
+@pytest.mark.parametrize("shape", [(49,), (1, 48), (32, 48), (), (47,)])
+def test_scaled_mm_refuses_a_bias_of_another_shape(shape):
+    a, b = operands(False, False)
+    with pytest.raises(ValueError, match=r"bias shape .* is not \(48,\): one value per output"):
+        gemm.scaled_mm(a, b, bias=torch.zeros(shape))
+    out = gemm.scaled_mm(a, b, bias=torch.ones(48))
+    torch.testing.assert_close(out, gemm.scaled_mm(a, b) + 1, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("amax", "error", "message"),
+    [
+        (-1.0, TypeError, "amax must be a float32 torch.Tensor holding one value, got float"),
+        (3, TypeError, "got int"),
+        (torch.tensor(-1.0), ValueError, r"amax=-1.0 is negative"),
+        (torch.tensor(-float("inf")), ValueError, r"amax=-inf is negative"),
+        (torch.tensor([1.0, 2.0]), ValueError, r"amax must hold one value .* shape \(2,\)"),
+        (torch.ones(2, 2), ValueError, r"shape \(2, 2\)"),
+        (torch.tensor(2.0, dtype=torch.float64), ValueError, "amax dtype torch.float64 is not"),
+        (torch.tensor(2, dtype=torch.int32), ValueError, "amax dtype torch.int32 is not"),
+        (torch.tensor(2.0, dtype=torch.bfloat16), ValueError, "torch.bfloat16 is not float32"),
+    ],
+)
+def test_nvfp4_quantize_checks_a_given_amax(amax, error, message):
+    with pytest.raises(error, match=message):
+        nvfp4.quantize(torch.randn(4, 32), amax=amax)
+
+
+def test_nvfp4_quantize_accepts_the_amaxes_it_should():
+    x = torch.randn(4, 32)
+    for amax in (torch.tensor(5.0), torch.tensor([5.0]), torch.tensor(0.0)):
+        nvfp4.quantize(x, amax=amax)
+    # Non-finite amax marks non-finite input: everything dequantizes to NaN.
+    assert nvfp4.quantize(x, amax=torch.tensor(float("nan"))).dequantize().isnan().all()
+
+
+@pytest.mark.parametrize("bad", [16, 17, 255])
+def test_e2m1_pack_refuses_codes_above_15(bad):
+    codes = torch.tensor([[1, 2, bad, 3]], dtype=torch.uint8)
+    with pytest.raises(ValueError, match=f"E2M1 code {bad} is above 15"):
+        e2m1.pack(codes)
+
+
+def test_e2m1_pack_refuses_codes_that_are_not_uint8():
+    with pytest.raises(ValueError, match="E2M1 codes must be uint8, got torch.int64"):
+        e2m1.pack(torch.tensor([[1, 2]]))
+    assert e2m1.pack(torch.tensor([[15, 15]], dtype=torch.uint8)).item() == 0xFF
+
+
+@pytest.mark.usefixtures("one_cpu_thread")
+def test_telemetry_probes_a_step_whose_tokens_are_not_a_multiple_of_16(tmp_path):
+    """3 x 101 = 303 tokens: the probe's token-dim operands are padded as training pads them
+    (it crashed with 'last dim (303,) is not a multiple of 16' and left only config.json)."""
+    cfg = TrainConfig(
+        recipe="nvfp4",
+        batch_size=3,
+        seq_len=101,
+        steps=2,
+        eval_every=0,
+        telemetry_every=1,
+        max_data_bytes=50_000,
+    )
+    assert train(cfg, tmp_path, progress=False)["status"] == "done"
+    probes = [r for r in read_metrics(tmp_path) if r["kind"] == "telemetry"]
+    assert [r["step"] for r in probes] == [0, 1, 2]
+    operands = probes[0]["layers"]["layers.0.attn.wqkv"]
+    assert "grad_weight.input_t" in operands and "grad_weight.grad_output_t" in operands
+
+
+def test_cuda_without_kernels_warns_once(monkeypatch):
+    monkeypatch.setattr(build._library, "kernels", lambda: None)
+    build._warn_reference_path.cache_clear()
+    nvfp4_recipe, bf16 = recipes.get("nvfp4"), recipes.get("bf16")
+    cuda = torch.device("cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert build.warn_if_reference_path(cuda, nvfp4_recipe)
+        assert build.warn_if_reference_path(cuda, nvfp4_recipe)
+        assert not build.warn_if_reference_path(cuda, bf16)  # nothing quantized: no kernels
+        assert not build.warn_if_reference_path(torch.device("cpu"), nvfp4_recipe)
+    assert len(caught) == 1 and issubclass(caught[0].category, RuntimeWarning)
+    assert "Triton kernels could not be loaded" in str(caught[0].message)
+    build._warn_reference_path.cache_clear()
