@@ -66,6 +66,16 @@ def test_layer_policy_is_configurable():
         bsnn.layer_policy(model, bf16_tail_fraction=1.5)
 
 
+def test_layer_policy_converts_a_block_linear_as_wide_as_the_vocabulary():
+    """The LM head is recognised by a vocabulary-sized output only outside the blocks: an MLP
+    whose width happens to equal the vocabulary (w13: 2 x ffn_dim = 256 = vocab) is converted."""
+    model = tiny_model(ffn_dim=128)
+    bsnn.convert(model, recipes.get("nvfp4"), module_filter_fn=bsnn.layer_policy(model))
+    names = converted_names(model)
+    assert "layers.0.mlp.w13" in names and "layers.0.mlp.w2" in names
+    assert "lm_head" not in names
+
+
 def test_layer_policy_router_and_named_blocks():
     class MoEBlock(nn.Module):
         def __init__(self):

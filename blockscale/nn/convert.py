@@ -197,8 +197,8 @@ def _find_blocks(model: nn.Module, blocks: str | None) -> tuple[str, int] | None
 @dataclass(frozen=True)
 class LayerPolicy:
     """A `module_filter_fn`: True (convert) unless the layer (a linear or an experts module) is
-    in a BF16 block or is named like a head, embedding or router, or is an LM head by its
-    vocabulary-sized output."""
+    in a BF16 block or is named like a head, embedding or router, or is, outside the blocks,
+    an LM head by its vocabulary-sized output."""
 
     blocks: str | None
     bf16_blocks: frozenset[int]
@@ -209,15 +209,14 @@ class LayerPolicy:
         last = fqn.rsplit(".", 1)[-1]
         if any(fnmatch.fnmatchcase(last, pattern) for pattern in self.bf16_names):
             return False
-        if getattr(module, "out_features", None) in self.vocab_sizes:
-            return False
         if self.blocks is not None:
             prefix = f"{self.blocks}." if self.blocks else ""
             if fqn.startswith(prefix):
                 index = fqn[len(prefix) :].split(".", 1)[0]
-                if index.isdigit() and int(index) in self.bf16_blocks:
-                    return False
-        return True
+                # Inside a block a vocabulary-wide output is a coincidence of sizes (an MLP as
+                # wide as the vocabulary), not an LM head.
+                return not (index.isdigit() and int(index) in self.bf16_blocks)
+        return getattr(module, "out_features", None) not in self.vocab_sizes
 
 
 def layer_policy(
