@@ -46,9 +46,13 @@ class Range:
         if low and high:
             return None
         if self.high is None:
-            return f"must be {'>' if self.low_open else 'at least'} {self.low:g}"
+            return f"must be {'>' if self.low_open else 'at least'} {_number(self.low)}"
         left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
-        return f"must lie in {left}{self.low:g}, {self.high:g}{right}"
+        return f"must lie in {left}{_number(self.low)}, {_number(self.high)}{right}"
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
 
 
 COUNT = Range(0)  # 0 means off (or: all, or: the default) where the help says so
