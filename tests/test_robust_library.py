@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from blockscale import gemm, nvfp4, recipes
+from blockscale import gemm, mxfp8, nvfp4, recipes
 from blockscale.formats import e2m1
 from blockscale.train import TrainConfig, build, read_metrics, train
 
@@ -127,3 +127,13 @@ def test_cuda_without_kernels_warns_once(monkeypatch):
     assert len(caught) == 1 and issubclass(caught[0].category, RuntimeWarning)
     assert "Triton kernels could not be loaded" in str(caught[0].message)
     build._warn_reference_path.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("quantize", "flag"),
+    [(nvfp4.quantize, "hadamard"), (nvfp4.quantize, "transpose"), (mxfp8.quantize, "transpose")],
+)
+def test_quantize_switches_must_be_bools(quantize, flag):
+    """transpose="False" is a truthy string: it transposed without a word."""
+    with pytest.raises(TypeError, match=f"{flag}='False' is not True or False"):
+        quantize(torch.randn(32, 32), **{flag: "False"})

@@ -68,3 +68,10 @@ def check_codes(codes: torch.Tensor) -> None:
         top = int(codes.max())
         if top > 15:
             raise ValueError(f"E2M1 code {top} is above 15: a code is 4 bits (sign | index 0-7)")
+
+
+def check_flags(fmt: str, **flags: object) -> None:
+    """Switches must be real bools: a string such as "False" is truthy and would switch on."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{fmt} quantize: {name}={value!r} is not True or False")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockscale.formats._checks import as_2d, check_blocks
+from blockscale.formats._checks import as_2d, check_blocks, check_flags
 from blockscale.formats.scales import (
     E4M3_MAX,
     ceil_log2,
@@ -52,6 +52,7 @@ def scale_exponents(block_amax: torch.Tensor) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, transpose: bool = False) -> MXFP8Tensor:
     """Quantize x in 1x32 blocks along its last dim (first dim with transpose=True)."""
+    check_flags("MXFP8", transpose=transpose)
     x2 = as_2d(x, "MXFP8", transpose)
     rows, cols = x2.shape
     check_blocks(rows, cols, "MXFP8", 1, BLOCK)

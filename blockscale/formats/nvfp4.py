@@ -19,7 +19,7 @@ import torch
 
 from blockscale.formats import e2m1
 from blockscale.formats import hadamard as rht
-from blockscale.formats._checks import as_2d, check_amax, check_blocks
+from blockscale.formats._checks import as_2d, check_amax, check_blocks, check_flags
 from blockscale.formats.scales import E4M3_MAX, FLT_MAX, to_e4m3
 
 BLOCK = 16
@@ -133,6 +133,7 @@ def quantize(
     amax:      use this tensor amax instead of max|x| (e.g. one reduced over ranks): a float32
                tensor of one value, >= 0 (NaN or Inf for non-finite input)
     """
+    check_flags("NVFP4", hadamard=hadamard, transpose=transpose)
     if amax is not None:
         check_amax(amax, "NVFP4")
     if block not in BLOCKS:

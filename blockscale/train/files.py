@@ -18,7 +18,10 @@ from pathlib import Path
 
 
 def fsync_dir(path: Path) -> None:
-    """Flush a folder's entries (renames, new files) to disk."""
+    """Flush a folder's entries (renames, new files) to disk. POSIX only: Windows cannot open a
+    folder as a file, and NTFS journals renames itself."""
+    if os.name != "posix":
+        return
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)
