@@ -62,6 +62,7 @@ would not reproduce the one-device bits).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,12 @@ def quantize_shard(
     if kernels is not None:
         return kernels.mxfp8_quantize(x, transpose=transpose)
     return mxfp8.quantize(x, transpose=transpose)
+
+
+def _as_bytes(t: torch.Tensor, move: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`move` (a copy that only rearranges) applied to t's bytes: float8 codes and scales are
+    moved as uint8, which every device's copy and index kernels support."""
+    return move(t.view(torch.uint8)).view(t.dtype) if t.element_size() == 1 else move(t)
 
 
 @dataclass(frozen=True)
@@ -213,7 +220,7 @@ class GatherLayout:
         built: list[torch.Tensor] = []
         data, scale = outputs[0], outputs[1]
         if self.rowwise.block == "16x16":
-            scale = scale.repeat_interleave(16, dim=0)
+            scale = _as_bytes(scale, lambda b: b.repeat_interleave(16, dim=0))
             built.append(scale)
         rowwise = self._container(self.rowwise, data, scale, amax, torch.Size((n, k)))
         columnwise = None
@@ -221,7 +228,8 @@ class GatherLayout:
             w = self.world_size
             # Each rank sent [K, N/W]-shaped blocks; put the W column blocks side by side.
             data_t, scale_t = (
-                t.view(w, k, -1).permute(1, 0, 2).reshape(k, -1) for t in outputs[2:4]
+                _as_bytes(t, lambda b: b.view(w, k, -1).permute(1, 0, 2).reshape(k, -1))
+                for t in outputs[2:4]
             )
             built += [data_t, scale_t]
             columnwise = (

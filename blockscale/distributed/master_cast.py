@@ -194,6 +194,7 @@ def cast_master_weights_to_nvfp4(
         for i, q in enumerate(targets):
             rows, cols = q.shape
             tiles = scale[tile_base[i] : tile_base[i + 1]].view(rows // TILE, cols // TILE)
-            q.scale.copy_(tiles.repeat_interleave(TILE, dim=0))
+            rows_of_tiles = tiles.view(torch.uint8).repeat_interleave(TILE, dim=0)
+            q.scale.view(torch.uint8).copy_(rows_of_tiles)  # float8 moved as bytes
             q.data.view(-1).copy_(codes_out[byte_base[i] : byte_base[i + 1]])
             q.amax.copy_(amax[i])

@@ -138,6 +138,8 @@ class QuantizedWeight(torch.Tensor):
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(mine)):
             for dst, src in zip(mine, theirs, strict=True):
                 if dst is not src and dst.data_ptr() != src.data_ptr():
+                    if dst.element_size() == 1:  # float8 scales and codes: copy the bytes
+                        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
                     dst.copy_(src)
 
     def _same_weight(self, requires_grad: bool = False) -> QuantizedWeight:
