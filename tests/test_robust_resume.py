@@ -186,3 +186,13 @@ def test_resumed_weights_equal_the_uninterrupted_ones(run, tmp_path):
     got = load_file(ckpt.checkpoint_dirs(half)[-1] / "model.safetensors")
     want = load_file(ckpt.checkpoint_dirs(run)[-1] / "model.safetensors")
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_damaged_metrics_row_refuses_the_resume_and_changes_nothing(copy, capsys):
+    metrics = copy / "metrics.jsonl"
+    rows = metrics.read_text().splitlines()
+    metrics.write_text("\n".join(["{not json", *rows]) + "\n")
+    before = snapshot(copy)
+    assert main(["train", "--resume", "--out", str(copy), "--steps", "6"]) == 2
+    assert "metrics.jsonl line 1 is not a JSON object" in capsys.readouterr().err
+    assert snapshot(copy) == before

@@ -185,9 +185,11 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     if resume and ckpts:
         start, partial = checkpoint.load(ckpts[-1], model, optimizer, run=identity(cfg))
     run_dir.mkdir(parents=True, exist_ok=True)
+    # First, since it can still refuse (a damaged row before the last): a fresh start keeps no
+    # rows, a resumed run those up to its checkpoint.
+    metrics.truncate_after(start if start else -1)
     cfg.save(run_dir / "config.json")
     (run_dir / "summary.json").unlink(missing_ok=True)
-    metrics.truncate_after(start if start else -1)  # a fresh start keeps no rows
 
     # Inductor's default fast math (approximate division, dropped BF16 round trips, FMA) would
     # move quantization codes; these options keep eager's numerics, for every recipe alike.
