@@ -51,6 +51,8 @@ def test_compare_keeps_its_runs_directly_in_out_and_still_reads_the_old_layout(r
     assert variant_dir(tmp_path, "bf16") == tmp_path / "bf16"
     shutil.copytree(run, tmp_path / "runs" / "bf16")
     assert variant_dir(tmp_path, "bf16") == tmp_path / "runs" / "bf16"
+    # The runs it has not started yet join the others there.
+    assert variant_dir(tmp_path, "nvfp4") == tmp_path / "runs" / "nvfp4"
     report = write_report(tmp_path, ["bf16"])
     table = json.loads((tmp_path / "report.json").read_text())["table"]
     assert report.exists() and [row["run"] for row in table] == ["bf16"]

@@ -12,11 +12,12 @@ feature of the full NVFP4 recipe off, each in its own run:
 `noise_floor` (the CLI's default) adds `bf16-seed{seed+1}`, a second BF16 run with another seed:
 a recipe's gap to BF16 no larger than that run's is no evidence of a difference.
 
-Runs live in `OUT/NAME` (`OUT/runs/NAME` in comparisons made before, still found there). A
-finished run whose config matches is reused, an unfinished one is resumed (with the checks of
-`train --resume`), and one with another config is an error, so rerunning `compare` after a crash or a
-`max_minutes` pause continues where it stopped, and `--only NAME` lets separate processes (one
-per GPU) fill the same comparison before a last plain `compare` writes the report.
+Runs live in `OUT/NAME` (in `OUT/runs/NAME` for a comparison begun before, one with
+`OUT/runs/`). A finished run whose config matches is reused, an unfinished one is resumed (with
+the checks of `train --resume`), and one with another config is an error, so rerunning
+`compare` after a crash or a `max_minutes` pause continues where it stopped, and `--only NAME`
+lets separate processes (one per GPU) fill the same comparison before a last plain `compare`
+writes the report.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Reports of a comparison: a Markdown page, its PNG plots, and the same table as JSON.
 
 From the runs in `OUT/NAME` (their `config.json`, `summary.json`, `metrics.jsonl`; a comparison
-made before runs sat directly in OUT keeps them in `OUT/runs/NAME`, which is still read):
+begun before runs sat directly in OUT keeps them all in `OUT/runs/NAME`, see `variant_dir`):
 
 - `report.md`: the table (final held-out loss, relative gap to BF16, bits per byte, tokens/s,
   speed relative to BF16, peak GPU memory), the plots, and the numerics telemetry: for each
@@ -37,10 +37,11 @@ OPERANDS = tuple(name for name, _ in recipes.get(BASELINE).operands())
 
 
 def variant_dir(out: Path, name: str) -> Path:
-    """Where a comparison keeps its run `name`: `OUT/NAME`, or the older `OUT/runs/NAME`
-    where that run already exists."""
-    legacy = Path(out) / "runs" / name
-    return legacy if (legacy / "config.json").exists() else Path(out) / name
+    """Where a comparison keeps its run `name`: `OUT/NAME`, or `OUT/runs/NAME` in a comparison
+    begun before runs sat directly in OUT (one that has `OUT/runs/`), so that all of one
+    comparison's runs stay side by side."""
+    legacy = Path(out) / "runs"
+    return legacy / name if legacy.is_dir() else Path(out) / name
 
 
 def load_run(run_dir: Path) -> dict:
