@@ -1,0 +1,390 @@
+"""Whole models as a user trains them: tokens/s, peak memory and compile time of each recipe
+against BF16, eager and compiled, in one process.
+
+Models: transformers' `LlamaForCausalLM` (random init, SDPA attention) at a 1B shape (hidden 2048,
+ffn 5632, 16 layers, 32 heads / 8 KV heads) and an 8B shape (hidden 4096, ffn 14336, 8 of its
+32 layers, 32 heads / 8 KV heads), both with a 32000-token vocabulary; blockscale's own `1b` and
+`small` (blockscale.models, byte vocabulary); `llama-tiny` and `tiny` for CPU smoke tests.
+transformers is the optional `hf` extra: only the llama-* models need it.
+
+One step, the same for every recipe: FP32 parameters, forward under BF16 autocast (CUDA),
+cross-entropy in FP32 on the logits, backward, gradient clipping at 1.0, fused AdamW (CUDA). A
+recipe's model is built from the same seed, then converted with
+`convert(model, recipe, module_filter_fn=layer_policy(model))` (the last ~15% of blocks, the LM
+head and the embeddings stay BF16); BF16 is the unconverted model. "compile" is plain
+`torch.compile(model)`, no options. For each (model, mode, recipe):
+
+- first_s: the first step, which compiles in compile mode (so it is the compile time);
+- step_ms (median over --steps after --warmup), tokens/s, and their ratio to BF16 in the same
+  mode (tok_vs_bf16); compiled rows also give tok_vs_bf16_eager;
+- peak_gib: max_memory_allocated over the timed steps (weights, gradients, AdamW state and the
+  step's activations), and mem_vs_bf16;
+- host_ms: how long the host takes to issue one step (the step returns before the GPU is done
+  unless the host is the bottleneck: host_ms close to step_ms means launch-bound);
+- status: ok, or why the row has no figures (compile_timeout, oom, error: ...).
+
+--compile-timeout bounds the first compiled step (SIGALRM in the main thread, where Dynamo and
+Inductor run): a compile that stalls is reported as compile_timeout and the run goes on.
+--profile records one more step under torch.profiler per row: the top kernels by device time,
+the number of kernel launches and the host time; with --out they go into the JSON too.
+
+    python benchmarks/bench_model.py --models llama-1b --recipes bf16,nvfp4,mxfp8 \\
+        --batch-size 8 --seq-len 2048 --out results/bench_model_llama1b.json
+    python benchmarks/bench_model.py --models llama-tiny,tiny --quick   # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
+
+import harness  # noqa: E402
+
+from blockscale import _library, recipes  # noqa: E402
+from blockscale import nn as bsnn  # noqa: E402
+from blockscale.models import build_model, model_config  # noqa: E402
+
+RECIPES = ["bf16", "nvfp4", "mxfp8", "nvfp4_fwd_mxfp8_bwd"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A benchmarked model: transformers Llama fields (`hf`) or a blockscale size (`size`)."""
+
+    hf: dict[str, int] | None = None
+    size: str | None = None
+
+    def layers(self) -> int:
+        if self.hf is not None:
+            return self.hf["num_hidden_layers"]
+        return model_config(self.size).n_layers  # type: ignore[arg-type]
+
+
+def _llama(hidden: int, ffn: int, layers: int, heads: int, kv_heads: int, vocab: int) -> ModelSpec:
+    return ModelSpec(hf=dict(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                             num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             vocab_size=vocab))  # fmt: skip
+
+
+MODELS: dict[str, ModelSpec] = {
+    "llama-1b": _llama(2048, 5632, 16, 32, 8, 32000),
+    "llama-8b": _llama(4096, 14336, 8, 32, 8, 32000),
+    "llama-tiny": _llama(64, 128, 2, 4, 2, 256),
+    "1b": ModelSpec(size="1b"),
+    "small": ModelSpec(size="small"),
+    "tiny": ModelSpec(size="tiny"),
+}
+
+
+def build(spec: ModelSpec, layers: int | None, seq_len: int, device: torch.device):
+    """The model (FP32, on `device`, seeded) and its vocabulary size."""
+    torch.manual_seed(0)
+    if spec.hf is not None:
+        from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415 (optional)
+
+        fields = dict(spec.hf)
+        if layers:
+            fields["num_hidden_layers"] = layers
+        config = LlamaConfig(**fields, max_position_embeddings=max(seq_len, 2048),
+                             attn_implementation="sdpa", use_cache=False)  # fmt: skip
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+        return model, config.vocab_size
+    overrides: dict[str, Any] = {"seq_len": seq_len}
+    if layers:
+        overrides["n_layers"] = layers
+    cfg = model_config(spec.size, **overrides)  # type: ignore[arg-type]
+    with torch.device(device):
+        model = build_model(cfg)
+    return model, cfg.vocab_size
+
+
+def logits_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    out = model(tokens)
+    return out.logits if hasattr(out, "logits") else out
+
+
+class CompileTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise CompileTimeout in the main thread after `seconds` (0: no limit)."""
+    if seconds <= 0 or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise CompileTimeout(f"first step did not finish in {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def make_step(model, optimizer, forward, device) -> Callable[[torch.Tensor], None]:
+    autocast = (
+        (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+        if device.type == "cuda"
+        else contextlib.nullcontext
+    )
+
+    def step(tokens: torch.Tensor) -> None:
+        with autocast():
+            logits = logits_of(forward, tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def host_ms(step: Callable, batches: list, device: torch.device, reps: int = 3) -> float:
+    """Median host time to issue one step (the GPU idle at its start)."""
+    times = []
+    for i in range(reps):
+        harness.synchronize(device)
+        t0 = time.perf_counter()
+        step(batches[i % len(batches)])
+        times.append((time.perf_counter() - t0) * 1e3)
+    harness.synchronize(device)
+    return sorted(times)[len(times) // 2]
+
+
+def profile_step(step: Callable, tokens: torch.Tensor, device: torch.device, top: int) -> dict:
+    """One step under torch.profiler: top kernels by device time, launches, host time."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    harness.synchronize(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step(tokens)
+        issued = time.perf_counter() - t0
+        harness.synchronize(device)
+        wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+    on_device = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
+    key = "self_device_time_total"
+    kernels = sorted(on_device, key=lambda e: getattr(e, key), reverse=True)
+    device_us = sum(getattr(e, key) for e in on_device)
+    launch_names = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+    launches = sum(e.count for e in averages if e.key in launch_names)
+    host_ops = sorted(
+        (e for e in averages if e.device_type == torch.autograd.DeviceType.CPU),
+        key=lambda e: e.self_cpu_time_total,
+        reverse=True,
+    )
+    return {
+        "wall_ms": wall * 1e3,
+        "host_issue_ms": issued * 1e3,
+        "device_ms": device_us / 1e3,
+        "kernels": sum(e.count for e in on_device),
+        "launches": launches,
+        "top_kernels": [
+            {
+                "name": e.key[:100],
+                "count": e.count,
+                "ms": getattr(e, key) / 1e3,
+                "pct": 100 * getattr(e, key) / device_us if device_us else None,
+            }
+            for e in kernels[:top]
+        ],  # fmt: skip
+        "top_host_ops": [
+            {"name": e.key[:100], "count": e.count, "self_ms": e.self_cpu_time_total / 1e3}
+            for e in host_ops[:top]
+        ],
+    }
+
+
+def failure(e: BaseException) -> str:
+    """A row's status for an exception; Dynamo and Inductor wrap what they catch, so the
+    timeout and out-of-memory are looked for along the chain of causes."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, CompileTimeout):
+            return f"compile_timeout ({seen})"
+        if isinstance(seen, torch.OutOfMemoryError):
+            return "oom"
+        seen = seen.__cause__ or seen.__context__
+    first_line = (str(e).splitlines() or [""])[0]
+    return f"error: {type(e).__name__}: {first_line[:200]}"
+
+
+def run_case(name: str, spec: ModelSpec, mode: str, recipe: str, args, device) -> dict[str, Any]:
+    row: dict[str, Any] = {"model": name, "mode": mode, "recipe": recipe, "status": "ok"}
+    model = optimizer = step = None
+    try:
+        model, vocab = build(spec, args.layers, args.seq_len, device)
+        row["layers"] = args.layers or spec.layers()
+        if recipe != "bf16":
+            bsnn.convert(model, recipes.get(recipe), module_filter_fn=bsnn.layer_policy(model))
+        row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=1e-4, fused=device.type == "cuda", foreach=None
+        )
+        forward = torch.compile(model) if mode == "compile" else model
+        step = make_step(model, optimizer, forward, device)
+        gen = torch.Generator().manual_seed(1)
+        shape = (args.batch_size, args.seq_len + 1)
+        batches = [torch.randint(0, vocab, shape, generator=gen).to(device) for _ in range(2)]
+        limit = args.compile_timeout if mode == "compile" else 0
+        t0 = time.perf_counter()
+        with time_limit(limit):
+            step(batches[0])
+            harness.synchronize(device)
+        row["first_s"] = time.perf_counter() - t0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        timing = harness.time_fn(
+            step, [(b,) for b in batches], warmup=args.warmup, reps=args.steps, device=device
+        )
+        row["step_ms"] = timing.median_ms
+        row["tokens_per_s"] = args.batch_size * args.seq_len / (timing.median_ms * 1e-3)
+        if device.type == "cuda":
+            row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        row["host_ms"] = host_ms(step, batches, device)
+        if args.profile:
+            row["profile"] = profile_step(step, batches[0], device, args.profile_top)
+    except Exception as e:  # a failing recipe must not lose the others' figures
+        row["status"] = failure(e)
+    finally:
+        del model, optimizer, step
+        gc.collect()
+        torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    def find(model: str, mode: str) -> dict[str, Any] | None:
+        for r in rows:
+            if r["model"] == model and r["mode"] == mode and r["recipe"] == "bf16":
+                return r if "step_ms" in r else None
+        return None
+
+    for r in rows:
+        if "step_ms" not in r:
+            continue
+        base = find(r["model"], r["mode"])
+        if base is not None:
+            r["tok_vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
+            if r.get("peak_gib") and base.get("peak_gib"):
+                r["mem_vs_bf16"] = r["peak_gib"] / base["peak_gib"]
+        eager = find(r["model"], "eager")
+        if r["mode"] == "compile" and eager is not None:
+            r["tok_vs_bf16_eager"] = r["tokens_per_s"] / eager["tokens_per_s"]
+        base_compile = find(r["model"], "compile")
+        if r["mode"] == "compile" and base_compile is not None and "first_s" in base_compile:
+            r["compile_vs_bf16"] = r["first_s"] / base_compile["first_s"]
+
+
+def print_profiles(rows: list[dict[str, Any]]) -> None:
+    for r in rows:
+        prof = r.get("profile")
+        if not prof:
+            continue
+        print(
+            f"\nprofile {r['model']} {r['mode']} {r['recipe']}: wall {prof['wall_ms']:.1f} ms, "
+            f"host issue {prof['host_issue_ms']:.1f} ms, device {prof['device_ms']:.1f} ms, "
+            f"{prof['kernels']} kernels, {prof['launches']} launch calls"
+        )
+        if prof["top_kernels"]:
+            harness.print_table(prof["top_kernels"], ["name", "count", "ms", "pct"])
+        else:
+            harness.print_table(prof["top_host_ops"], ["name", "count", "self_ms"])
+
+
+COLUMNS = ["model", "layers", "mode", "recipe", "first_s", "step_ms", "tokens_per_s",
+           "tok_vs_bf16", "tok_vs_bf16_eager", "compile_vs_bf16", "peak_gib", "mem_vs_bf16",
+           "host_ms", "status"]  # fmt: skip
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="llama-1b", help=f"comma list of {', '.join(MODELS)}")
+    parser.add_argument("--recipes", default="bf16,nvfp4,mxfp8", help=f"of {', '.join(RECIPES)}")
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--eager", action="store_true", help="eager rows only")
+    modes.add_argument("--compile", action="store_true", help="compiled rows only")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
+    parser.add_argument("--layers", type=int, default=0, help="override the layer count")
+    parser.add_argument("--compile-timeout", type=float, default=300.0, help="s, 0: none")
+    parser.add_argument("--profile", action="store_true", help="profile one step per row")
+    parser.add_argument("--profile-top", type=int, default=12)
+    parser.add_argument("--inline-triton", action="store_true",
+                        help="let AOTAutograd decompose the Triton ops (torch's triton_op "
+                             "default; blockscale keeps them opaque)")  # fmt: skip
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--quick", action="store_true",
+                        help="CPU smoke test: batch 2, sequence 32, 1 warm-up, 2 steps")  # fmt: skip
+    parser.add_argument("--out", metavar="PATH", help="write the rows as JSON")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batch_size, args.seq_len, args.warmup, args.steps = 2, 32, 1, 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    device = harness.pick_device(args.device)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        raise SystemExit(f"unknown models {unknown}; choose from {', '.join(MODELS)}")
+    names = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    names = ["bf16"] + [r for r in names if r != "bf16"]  # ratios need BF16 in this run
+    for r in names:
+        recipes.get(r)  # an unknown name fails before any model is built
+    modes = ["eager"] if args.eager else ["compile"] if args.compile else ["eager", "compile"]
+    _library.INLINE_TRITON_KERNELS = args.inline_triton
+    info = harness.banner(device)
+    rows: list[dict[str, Any]] = []
+    for name in models:
+        for mode in modes:
+            for recipe in names:
+                row = run_case(name, MODELS[name], mode, recipe, args, device)
+                rows.append(row)
+                figures = ", ".join(f"{k}={harness.fmt(row.get(k))}" for k in
+                                    ("first_s", "step_ms", "tokens_per_s", "peak_gib", "host_ms"))  # fmt: skip
+                print(f"  {name} {mode} {recipe}: {figures} [{row['status']}]", flush=True)
+    add_ratios(rows)
+    if args.out:
+        record = {"benchmark": "model", "banner": info, "argv": sys.argv[1:] if argv is None
+                  else argv, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                  "inline_triton": args.inline_triton, "rows": rows}  # fmt: skip
+        harness.write_json(args.out, record)
+    print_profiles(rows)
+    print(f"\nB={args.batch_size} T={args.seq_len}, ratios to BF16 in the same mode and run")
+    harness.print_table(rows, COLUMNS)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

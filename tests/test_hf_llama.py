@@ -1,0 +1,219 @@
+"""A model nobody here wrote: transformers' LlamaForCausalLM (tiny, random init) converted with
+the layer policy, trained, compiled with fullgraph=True, and what it saves for backward; plus
+benchmarks/bench_model.py's CPU smoke test.
+
+Compiled == eager, and where the bits can match. Dynamo + AOTAutograd (`backend="aot_eager"`)
+run the traced graph op for op, so the loss and every gradient must equal eager's. Under
+Inductor the model's own BF16 parts do not give eager's bits even unconverted (its fused
+RMSNorm, softmax and SiLU backward sum in another order: FP32 differences of ~1e-8, measured),
+and a quantized backward turns such a difference into a different rounding decision now and
+then; so there the forward loss must match bit for bit (the quantized forward reads the same
+inputs) and the gradients within a band. The quantized linears' own compiled numerics are
+checked bit for bit in tests/test_compile.py.
+"""
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import blockscale.nn as bsnn
+from blockscale import recipes
+from blockscale.ops import EXACT_INDUCTOR_OPTIONS
+from blockscale.recipes import Format
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+
+
+def tiny_llama(layers: int = 2) -> nn.Module:
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+        attn_implementation="sdpa", use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def exact(name: str) -> recipes.Recipe:
+    """The recipe without stochastic rounding (compiled draws are not eager's draws)."""
+    switches = {"stochastic_rounding": False} if name == "nvfp4" else {}
+    return recipes.get(name, **switches)
+
+
+def tokens(batch: int = 2, seq: int = 32, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def loss_and_grads(model: nn.Module, fn, ids: torch.Tensor):
+    model.zero_grad(set_to_none=True)
+    logits = fn(ids[:, :-1]).logits
+    loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_layer_policy_keeps_head_embeddings_and_tail_block_bf16(caplog):
+    model = tiny_llama(layers=4)
+    with caplog.at_level(logging.INFO, logger="blockscale.nn.convert"):
+        bsnn.convert(model, recipes.get("nvfp4"), module_filter_fn=bsnn.layer_policy(model))
+    assert type(model.lm_head) is nn.Linear
+    assert type(model.model.embed_tokens) is nn.Embedding
+    for i, layer in enumerate(model.model.layers):
+        linears = [m for m in layer.modules() if isinstance(m, nn.Linear)]
+        assert len(linears) == 7
+        converted = [isinstance(m, bsnn.Linear) for m in linears]
+        # 15% of 4 blocks rounds to 1: the last block stays BF16.
+        assert all(converted) if i < 3 else not any(converted), (i, converted)
+    assert "converted 21 of 29 linears to recipe nvfp4" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8"])
+def test_converted_llama_trains(name):
+    model = tiny_llama()
+    bsnn.convert(model, recipes.get(name), module_filter_fn=bsnn.layer_policy(model))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = tokens()
+    losses = []
+    for _ in range(6):
+        loss, _ = loss_and_grads(model, model, ids)
+        optimizer.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0] - 0.1, losses  # ln(128) = 4.85 at the start
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8", "nvfp4_fwd_mxfp8_bwd"])
+def test_fullgraph_trace_equals_eager_bit_for_bit(name):
+    """One graph, no break, and the traced graph run op for op gives eager's loss and grads."""
+    torch._dynamo.reset()
+    model = tiny_llama()
+    bsnn.convert(model, exact(name), module_filter_fn=bsnn.layer_policy(model, 0.5))
+    ids = tokens()
+    eager = loss_and_grads(model, model, ids)
+    compiled = loss_and_grads(model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids)
+    assert torch.equal(eager[0], compiled[0])
+    differ = [n for n in eager[1] if not torch.equal(eager[1][n], compiled[1][n])]
+    assert not differ, differ
+    torch._dynamo.reset()
+
+
+def test_inductor_compiled_llama_loss_equals_eager():
+    torch._dynamo.reset()
+    model = tiny_llama()
+    bsnn.convert(model, exact("nvfp4"), module_filter_fn=bsnn.layer_policy(model, 0.5))
+    ids = tokens()
+    eager = loss_and_grads(model, model, ids)
+    fn = torch.compile(model, fullgraph=True, options=EXACT_INDUCTOR_OPTIONS)
+    compiled = loss_and_grads(model, fn, ids)
+    assert torch.equal(eager[0], compiled[0])
+    for n, g in eager[1].items():
+        # A gradient's error from one flipped NVFP4 rounding (of 2^-3 relative, in one of the
+        # 16-value blocks that feed it) stays far below 5% of the gradient's norm.
+        err = (compiled[1][n] - g).norm() / g.norm()
+        assert err < 0.05, (n, err.item())
+    torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------ saved for backward
+
+
+def packed_bytes(values: int, fmt: Format) -> float:
+    """Bytes of `values` quantized: NVFP4 4-bit codes + an E4M3 scale per 16 (+ a 4-byte amax);
+    MXFP8 8-bit codes + an E8M0 scale per 32."""
+    if fmt is Format.NVFP4:
+        return values / 2 + values / 16 + 4
+    return values + values / 32
+
+
+def saved_bytes_per_converted_linear(model: nn.Module, ids: torch.Tensor) -> dict[str, int]:
+    """Bytes of the unique storages each blockscale Linear saves for backward (a view saved
+    counts its whole storage: a BF16 buffer kept alive through a view is caught)."""
+    storages: dict[str, dict[int, int]] = {}
+    current: list[str] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if current:
+            s = t.untyped_storage()
+            storages[current[-1]][s.data_ptr()] = s.nbytes()
+        return t
+
+    handles = []
+    for fqn, module in model.named_modules():
+        if isinstance(module, bsnn.Linear):
+            storages[fqn] = {}
+            handles.append(module.register_forward_pre_hook(lambda m, a, f=fqn: current.append(f)))
+            handles.append(module.register_forward_hook(lambda m, a, o: current.pop() and None))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids[:, :-1]).logits.sum().backward()
+    for h in handles:
+        h.remove()
+    return {fqn: sum(s.values()) for fqn, s in storages.items()}
+
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8", "nvfp4_fwd_mxfp8_bwd"])
+def test_converted_linears_save_only_packed_operands(name, device):
+    """What a converted linear keeps for backward is at most the packed tokens copy of its
+    input and the packed weight copy for dgrad; a BF16 copy of either would be 2 bytes/value.
+    On CUDA the kernels make the copies: a saved view into a larger buffer (a `_dq` written
+    beside the codes, say) counts its whole storage and fails this."""
+    recipe = recipes.get(name)
+    model = tiny_llama().to(device)
+    bsnn.convert(model, recipe, module_filter_fn=bsnn.layer_policy(model, 0.0))
+    ids = tokens(batch=2, seq=30).to(device)  # 60 tokens: token copies are padded to the block
+    saved = saved_bytes_per_converted_linear(model, ids)
+    assert len(saved) == 14
+    modules = dict(model.named_modules())
+    for fqn, got in saved.items():
+        linear = modules[fqn]
+        in_fmt = recipe.grad_weight.input_t
+        m = -(2 * 30) // in_fmt.block_size * -in_fmt.block_size
+        bound = packed_bytes(m * linear.in_features, in_fmt.format)
+        bound += packed_bytes(linear.weight.numel(), recipe.grad_input.weight.format)
+        assert 0 < got <= bound, f"{fqn}: saved {got} bytes, packed operands are {bound:.0f}"
+
+
+# ------------------------------------------------------------------ bench_model.py
+
+
+def bench_model():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_model
+
+    return bench_model
+
+
+def test_bench_model_runs_on_the_cpu(tmp_path, capsys):
+    out = tmp_path / "bench_model.json"
+    rows = bench_model().main(["--models", "llama-tiny,tiny", "--recipes", "nvfp4", "--eager",
+                               "--quick", "--profile", "--out", str(out)])  # fmt: skip
+    assert [(r["model"], r["recipe"]) for r in rows] == [
+        ("llama-tiny", "bf16"), ("llama-tiny", "nvfp4"), ("tiny", "bf16"), ("tiny", "nvfp4")
+    ]  # fmt: skip
+    for r in rows:
+        assert r["status"] == "ok", r["status"]
+        assert r["tokens_per_s"] > 0 and r["tok_vs_bf16"] > 0 and r["host_ms"] > 0
+        assert r["profile"]["top_host_ops"] and r["profile"]["wall_ms"] > 0
+    assert out.exists()
+    assert "tok_vs_bf16" in capsys.readouterr().out.splitlines()[-len(rows) - 2]  # table last
+
+
+def test_bench_model_reports_a_compile_that_runs_out_of_time():
+    rows = bench_model().main(["--models", "llama-tiny", "--recipes", "bf16", "--compile",
+                               "--quick", "--compile-timeout", "0.5"])  # fmt: skip
+    assert len(rows) == 1 and rows[0]["status"].startswith("compile_timeout"), rows[0]["status"]
+    assert "tokens_per_s" not in rows[0]
