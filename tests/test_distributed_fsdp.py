@@ -38,6 +38,7 @@ from blockscale.distributed import QuantizedWeight, ShardedWeight, enable_quanti
 from blockscale.distributed.launch import run_local
 from blockscale.formats import mxfp8, nvfp4
 from blockscale.models import build_model, model_config
+from blockscale.ops.linear import EXACT_INDUCTOR_OPTIONS
 from blockscale.recipes import Format
 
 WORLD = 2
@@ -125,13 +126,55 @@ def _shard_rule_worker(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="each shard has 24 rows, not a multiple of 16"):
         model(torch.randn(4, 64, device=_device()))
 
+    # What a weight gathers is fixed at its first all-gather: switching the layer to BF16
+    # afterwards (set_precision) raises instead of computing with something else.
+    model = nn.Sequential(nn.Linear(64, 64, bias=False)).to(_device())
+    bs.convert(model, RECIPES["nvfp4"])
+    enable_quantized_all_gather(model)
+    _shard(model, [], mp=False)
+    model(torch.randn(4, 64, device=_device())).sum().backward()
+    bs.nn.set_precision(model, False)
+    with pytest.raises(ValueError, match=r"not a quantized blockscale Linear"):
+        model(torch.randn(4, 64, device=_device()))
+
 
 def test_gathered_weights_equal_one_device_quantization():
     run_local(_gather_worker, WORLD)
 
 
-def test_shard_that_cuts_tiles_raises():
+def test_shard_rule_and_precision_switch_raise():
     run_local(_shard_rule_worker, WORLD)
+
+
+def _compile_worker(rank: int, world_size: int) -> None:
+    # torch.compile traces the gathered QuantizedWeight as a subclass (its
+    # __tensor_flatten__); with EXACT_INDUCTOR_OPTIONS the compiled steps equal eager's bits.
+    device = _device()
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(64, 64, bias=False), nn.ReLU(), nn.Linear(64, 64, bias=False)
+        ).to(device)
+        bs.convert(model, RECIPES["nvfp4"])
+        enable_quantized_all_gather(model)
+        _shard(model, [model[0], model[2]], mp=False)
+        models.append(model)
+    eager, compiled = models
+    run = torch.compile(compiled, options=EXACT_INDUCTOR_OPTIONS)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank)).to(device)
+    for step in range(2):
+        want = eager(x * (step + 1)).square().mean()
+        got = run(x * (step + 1)).square().mean()
+        want.backward()
+        got.backward()
+        assert got.item() == want.item(), step
+        for a, b in zip(compiled.parameters(), eager.parameters(), strict=True):
+            assert torch.equal(a.grad.full_tensor(), b.grad.full_tensor()), step
+
+
+def test_compiled_fsdp_equals_eager():
+    run_local(_compile_worker, WORLD)
 
 
 # --------------------------------------------------------------------------- training
@@ -300,4 +343,5 @@ def test_fsdp_on_two_gpus(tmp_path):
     if torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} GPUs")
     run_local(_gather_worker, WORLD, device="cuda")
+    run_local(_compile_worker, WORLD, device="cuda")
     run_local(_train_worker, WORLD, str(tmp_path / "bytes.json"), device="cuda")

@@ -107,6 +107,37 @@ class QuantizedWeight(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        names = ["_r_data", "_r_scale"]
+        self._r_data, self._r_scale = self.rowwise.data, self.rowwise.scale
+        if isinstance(self.rowwise, NVFP4Tensor):
+            self._r_amax = self.rowwise.amax
+            names.append("_r_amax")
+        if self.columnwise is not None:
+            self._c_data, self._c_scale = self.columnwise.data, self.columnwise.scale
+            names += ["_c_data", "_c_scale"]
+            if isinstance(self.columnwise, NVFP4Tensor):
+                self._c_amax = self.columnwise.amax
+                names.append("_c_amax")
+        meta = (self.rowwise_config, self.columnwise_config, self.rowwise.shape, self.dtype)
+        return names, meta
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: Any, outer_size: Any, outer_stride: Any):
+        row_cfg, col_cfg, shape, dtype = meta
+
+        def make(prefix: str, cfg: OperandConfig, shape: torch.Size) -> Container:
+            data, scale = inner[f"{prefix}_data"], inner[f"{prefix}_scale"]
+            if f"{prefix}_amax" in inner:
+                return NVFP4Tensor(data, scale, inner[f"{prefix}_amax"], shape, cfg.block)
+            return MXFP8Tensor(data, scale, shape)
+
+        rowwise = (row_cfg, make("_r", row_cfg, shape))
+        columnwise = None
+        if col_cfg is not None:
+            columnwise = (col_cfg, make("_c", col_cfg, torch.Size(tuple(shape)[::-1])))
+        return QuantizedWeight(torch.Size(outer_size), dtype, rowwise, columnwise)
+
     def quantized_copy(self, config: OperandConfig, transpose: bool = False) -> Any:
         """The held copy `config` asks for (along K, or with transpose=True along N), as a GEMM
         operand; ValueError if this weight holds no such copy."""
