@@ -107,17 +107,22 @@ class QuantizedWeight(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    # torch.compile sees a QuantizedWeight as the tensors of its containers (a traceable
+    # subclass); the names below are how __tensor_flatten__ lists them.
+    _r_data = property(lambda self: self.rowwise.data)
+    _r_scale = property(lambda self: self.rowwise.scale)
+    _r_amax = property(lambda self: self.rowwise.amax)
+    _c_data = property(lambda self: self.columnwise.data)
+    _c_scale = property(lambda self: self.columnwise.scale)
+    _c_amax = property(lambda self: self.columnwise.amax)
+
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
         names = ["_r_data", "_r_scale"]
-        self._r_data, self._r_scale = self.rowwise.data, self.rowwise.scale
         if isinstance(self.rowwise, NVFP4Tensor):
-            self._r_amax = self.rowwise.amax
             names.append("_r_amax")
         if self.columnwise is not None:
-            self._c_data, self._c_scale = self.columnwise.data, self.columnwise.scale
             names += ["_c_data", "_c_scale"]
             if isinstance(self.columnwise, NVFP4Tensor):
-                self._c_amax = self.columnwise.amax
                 names.append("_c_amax")
         meta = (self.rowwise_config, self.columnwise_config, self.rowwise.shape, self.dtype)
         return names, meta
