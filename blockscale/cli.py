@@ -17,7 +17,13 @@ import time
 from pathlib import Path
 
 import blockscale
-from blockscale.train.config import TrainConfig, add_config_flags, overrides_from_args
+from blockscale.train.config import (
+    COUNT,
+    TrainConfig,
+    add_config_flags,
+    overrides_from_args,
+    range_type,
+)
 from blockscale.train.errors import UsageError
 
 STOPPED = 3  # exit status of a run paused or interrupted before its last step: rerun to continue
@@ -41,17 +47,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _count(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} must be at least 0")
-    return value
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -176,12 +171,18 @@ def parser() -> argparse.ArgumentParser:
         help="a .txt/.txt.gz file, a directory of them, or 'stdlib' "
         "[the held-out part of the run's own data, text it never trained on]",
     )
-    ev.add_argument("--step", type=_count, help="checkpoint step [the last]")
+    ev.add_argument("--step", type=range_type(int, COUNT), help="checkpoint step [the last]")
     ev.add_argument(
-        "--max-tokens", type=_count, default=0, help="score only the first N bytes (0: all)"
+        "--max-tokens",
+        type=range_type(int, COUNT),
+        default=0,
+        help="score only the first N bytes (0: all)",
     )
     ev.add_argument(
-        "--batch-size", type=_count, default=0, help="sequences per batch (0: the run's) [0]"
+        "--batch-size",
+        type=range_type(int, COUNT),
+        default=0,
+        help="sequences per batch (0: the run's) [0]",
     )
     ev.add_argument("--quiet", action="store_true", help="no progress bar")
     ev.set_defaults(func=cmd_eval)

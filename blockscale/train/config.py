@@ -203,10 +203,9 @@ def identity(cfg: TrainConfig) -> dict:
     return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE}
 
 
-def flag_type(f: dataclasses.Field):
-    """The argparse `type` of a field's flag: parses and range-checks, so a bad value ends the
-    command with argparse's one line and status 2 before anything is built."""
-    kind = _HINTS[f.name]
+def range_type(kind: type, rule: Range):
+    """An argparse `type` that parses `kind` (int or float) and checks `rule`, so a bad value
+    ends the command with argparse's one line and status 2 before anything is built."""
 
     def parse(text: str):
         try:
@@ -215,13 +214,18 @@ def flag_type(f: dataclasses.Field):
             raise argparse.ArgumentTypeError(
                 f"{text!r} is not {'an integer' if kind is int else 'a number'}"
             ) from None
-        problem = field_problem(f, value)
+        problem = rule.problem(value)
         if problem:
             raise argparse.ArgumentTypeError(f"{text} {problem}")
         return value
 
     parse.__name__ = kind.__name__  # what argparse names in its own messages
     return parse
+
+
+def flag_type(f: dataclasses.Field):
+    """The argparse `type` of a numeric field's flag: its kind and its range."""
+    return range_type(_HINTS[f.name], f.metadata["range"])
 
 
 def add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
