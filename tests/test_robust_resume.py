@@ -196,3 +196,10 @@ def test_a_damaged_metrics_row_refuses_the_resume_and_changes_nothing(copy, caps
     assert main(["train", "--resume", "--out", str(copy), "--steps", "6"]) == 2
     assert "metrics.jsonl line 1 is not a JSON object" in capsys.readouterr().err
     assert snapshot(copy) == before
+
+
+def test_a_checkpoint_from_before_manifests_still_resumes(copy):
+    for folder in ckpt.checkpoint_dirs(copy):
+        (folder / ckpt.MANIFEST).unlink()
+    assert main(["train", "--resume", "--out", str(copy), "--quiet", "--steps", "5"]) == 0
+    assert (ckpt.checkpoint_dirs(copy)[-1] / ckpt.MANIFEST).exists()  # new ones get one
