@@ -63,8 +63,8 @@ BETA = Range(0.0, 1.0, high_open=True)
 SEED = Range(0, 2**63 - 1)
 
 
-def _f(default, help: str, range: Range | None = None):
-    return field(default=default, metadata={"help": help, "range": range})
+def _f(default, help: str, allowed: Range | None = None):
+    return field(default=default, metadata={"help": help, "range": allowed})
 
 
 @dataclass
@@ -153,8 +153,9 @@ class TrainConfig:
 _HINTS = typing.get_type_hints(TrainConfig)
 CHOICES = {"schedule": ("cosine", "wsd")}
 
-# May change when a run is resumed: none of them changes what the run computes (device and
-# compile change only the order of floating-point work; see docs/TRAINING.md, "Resuming").
+# May change when a run is resumed: how long it trains and what it measures, checkpoints and runs
+# on. None changes the quantized numerics; moving between CPU (FP32) and CUDA (BF16 autocast)
+# changes the unquantized parts' precision (docs/TRAINING.md, "What `--resume` checks").
 RESUMABLE = frozenset(
     {
         "steps",
