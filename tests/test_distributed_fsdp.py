@@ -34,7 +34,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 import blockscale as bs
+from blockscale import _library
 from blockscale.distributed import QuantizedWeight, ShardedWeight, enable_quantized_all_gather
+from blockscale.distributed.fsdp import GatherLayout
 from blockscale.distributed.launch import run_local
 from blockscale.formats import mxfp8, nvfp4
 from blockscale.models import build_model, model_config
@@ -136,6 +138,25 @@ def _shard_rule_worker(rank: int, world_size: int) -> None:
     bs.nn.set_precision(model, False)
     with pytest.raises(ValueError, match=r"not a quantized blockscale Linear"):
         model(torch.randn(4, 64, device=_device()))
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_shard_quantization_kernel_path_equals_reference(name, monkeypatch):
+    # What a rank sends, quantized by the Triton kernels (the GPU path; here in Triton's
+    # interpreter) and by formats/, for rank 1's half of a weight whose amax is elsewhere.
+    pytest.importorskip("triton")
+    layer = bs.nn.Linear(64, 64, bias=False, recipe=RECIPES[name])
+    layout = GatherLayout.for_layer(layer, torch.Size((64, 64)), WORLD)
+    w = torch.randn(64, 64, generator=torch.Generator().manual_seed(3))
+    w[5, 7] = 20.0
+    amax = w.abs().amax()
+    reference = layout.inputs(w[32:], amax)
+    monkeypatch.setattr(_library, "use_kernels", lambda t: True)
+    kernel = layout.inputs(w[32:], amax)
+    assert len(kernel) == len(reference)
+    for got, want in zip(kernel, reference, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # 1-byte dtypes
 
 
 def test_gathered_weights_equal_one_device_quantization():

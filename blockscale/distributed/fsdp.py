@@ -207,7 +207,7 @@ class GatherLayout:
         if self.columnwise is not None:
             col = quantize_shard(shard, self.columnwise, True, amax)
             out += [col.data, col.scale]
-        return [t.contiguous() for t in out]
+        return [_as_bytes(t, torch.Tensor.contiguous) for t in out]
 
     # ------------------------------------------------------------------- after the gather
 
