@@ -312,6 +312,12 @@ def _train_worker(rank: int, world_size: int, out_path: str) -> None:
         assert losses == [s[rank] for s in ref_losses], (recipe_name, mp, losses, ref_losses)
         for n, p in model.named_parameters():
             assert torch.equal(p.full_tensor(), ref_params[n]), f"{n} after {steps} steps"
+            # masters and optimizer state: FP32, sharded, plain tensors under the DTensors
+            assert p.dtype == torch.float32 and p.to_local().shape[0] == p.shape[0] // world_size
+            for state in ("exp_avg", "exp_avg_sq"):
+                local = opt.state[p][state].to_local()
+                assert type(local) is torch.Tensor and local.dtype == torch.float32, (n, state)
+                assert local.shape == p.to_local().shape, (n, state)
         if recipe_name == "nvfp4" and not mp:  # a sharded checkpoint: FP32 values, in place
             path = f"{out_path}.dcp"
             dcp.save({"model": model.state_dict(), "opt": opt.state_dict()}, checkpoint_id=path)
