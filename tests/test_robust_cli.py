@@ -3,6 +3,8 @@ case here was a traceback or was accepted with odd behaviour (issue 18)."""
 
 import dataclasses
 import json
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -72,6 +74,9 @@ def test_version(capsys):
         main(["--version"])
     assert stop.value.code == 0
     assert capsys.readouterr().out == f"blockscale {blockscale.__version__}\n"
+    # the version pip installs is the one printed
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["version"] == blockscale.__version__
 
 
 @pytest.mark.parametrize("command", ["train", "compare"])
