@@ -203,3 +203,15 @@ def test_a_checkpoint_from_before_manifests_still_resumes(copy):
         (folder / ckpt.MANIFEST).unlink()
     assert main(["train", "--resume", "--out", str(copy), "--quiet", "--steps", "5"]) == 0
     assert (ckpt.checkpoint_dirs(copy)[-1] / ckpt.MANIFEST).exists()  # new ones get one
+
+
+def test_eval_refuses_another_runs_checkpoint(run, tmp_path, capsys):
+    other = tmp_path / "other"
+    assert main(["train", "--out", str(other), *RUN, "--lr", "0.001"]) == 0
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    newest = ckpt.checkpoint_dirs(mine)[-1]
+    shutil.rmtree(newest)
+    shutil.copytree(ckpt.checkpoint_dirs(other)[-1], newest)
+    assert main(["eval", "--run", str(mine), "--max-tokens", "1000", "--quiet"]) == 2
+    assert "was written by another run (lr: 0.001 there, 0.003 now)" in capsys.readouterr().err

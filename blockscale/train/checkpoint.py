@@ -186,6 +186,19 @@ def run_identity(path: Path) -> dict | None:
     return json.loads(recorded) if recorded else None
 
 
+def check_run(path: Path, run: dict) -> None:
+    """Refuse a checkpoint that another run wrote: one whose recorded defining fields differ
+    from `run` (`config.identity` of this run), each difference named."""
+    recorded = run_identity(path)
+    if recorded is not None and recorded != run:
+        diffs = [
+            f"{k}: {recorded.get(k)!r} there, {run.get(k)!r} now"
+            for k in sorted(set(run) | set(recorded))
+            if recorded.get(k) != run.get(k)
+        ]
+        raise UsageError(f"checkpoint {path} was written by another run ({'; '.join(diffs)})")
+
+
 def load(
     path: Path, model: torch.nn.Module, optimizer, run: dict | None = None
 ) -> tuple[int, dict]:
@@ -193,14 +206,7 @@ def load(
     checkpoint that another run wrote (one whose recorded defining fields differ)."""
     verified = verify(path)
     if run is not None:
-        recorded = run_identity(path)
-        if recorded is not None and recorded != run:
-            diffs = [
-                f"{k}: {recorded.get(k)!r} there, {run.get(k)!r} now"
-                for k in sorted(set(run) | set(recorded))
-                if recorded.get(k) != run.get(k)
-            ]
-            raise UsageError(f"checkpoint {path} was written by another run ({'; '.join(diffs)})")
+        check_run(path, run)
     load_weights(path, model, verified)
     file = path / "trainer.safetensors"
     try:

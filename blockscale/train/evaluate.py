@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import blockscale.nn as bsnn
 from blockscale.train import build, checkpoint
-from blockscale.train.config import TrainConfig
+from blockscale.train.config import TrainConfig, identity
 from blockscale.train.data import eval_windows, load_corpus, read_all
 from blockscale.train.errors import UsageError
 
@@ -89,6 +89,7 @@ def eval_run(
         )
     device = build.resolve_device(cfg.device)
     model, _ = build.build_model(cfg, device)
+    checkpoint.check_run(ckpts[-1], identity(cfg))
     checkpoint.load_weights(ckpts[-1], model)
     if cfg.bf16_final_fraction > 0 and cfg.recipe != "bf16":
         bsnn.set_precision(model, False)
