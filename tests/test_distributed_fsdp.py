@@ -128,17 +128,6 @@ def _shard_rule_worker(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="each shard has 24 rows, not a multiple of 16"):
         model(torch.randn(4, 64, device=_device()))
 
-    # What a weight gathers is fixed at its first all-gather: switching the layer to BF16
-    # afterwards (set_precision) raises instead of computing with something else.
-    model = nn.Sequential(nn.Linear(64, 64, bias=False)).to(_device())
-    bs.convert(model, RECIPES["nvfp4"])
-    enable_quantized_all_gather(model)
-    _shard(model, [], mp=False)
-    model(torch.randn(4, 64, device=_device())).sum().backward()
-    bs.nn.set_precision(model, False)
-    with pytest.raises(ValueError, match=r"not a quantized blockscale Linear"):
-        model(torch.randn(4, 64, device=_device()))
-
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_shard_quantization_kernel_path_equals_reference(name, monkeypatch):
@@ -159,11 +148,39 @@ def test_shard_quantization_kernel_path_equals_reference(name, monkeypatch):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # 1-byte dtypes
 
 
+class _OneRankMesh:
+    """What fsdp_pre_all_gather reads of FSDP's shard mesh, for one rank and no collective."""
+
+    def size(self) -> int:
+        return 1
+
+    def get_group(self):
+        raise AssertionError("these checks must fail before any collective")
+
+
+def test_weight_layout_cannot_change_after_first_gather():
+    # FSDP sizes its buffers at the first all-gather: a later recipe change or a switch to
+    # BF16 (set_precision) raises instead of computing with something else. mxfp8 first: it
+    # needs no amax collective, so one process can run the hook.
+    layer = bs.nn.Linear(64, 64, bias=False, recipe=RECIPES["mxfp8"])
+    weight = ShardedWeight(torch.randn(64, 64))
+    hook_args = (_OneRankMesh(), torch.Size((64, 64)), (64, 1), layer, MixedPrecisionPolicy())
+    inputs, _ = weight.fsdp_pre_all_gather(*hook_args)
+    assert len(inputs) == 4  # MXFP8 rowwise and columnwise, codes and scales
+    layer.recipe = RECIPES["nvfp4"]
+    with pytest.raises(ValueError, match="a layer's recipe cannot change"):
+        weight.fsdp_pre_all_gather(*hook_args)
+    layer.recipe = RECIPES["mxfp8"]
+    bs.nn.set_precision(layer, False)
+    with pytest.raises(ValueError, match="not a quantized blockscale Linear"):
+        weight.fsdp_pre_all_gather(*hook_args)
+
+
 def test_gathered_weights_equal_one_device_quantization():
     run_local(_gather_worker, WORLD)
 
 
-def test_shard_rule_and_precision_switch_raise():
+def test_shard_that_cuts_tiles_raises():
     run_local(_shard_rule_worker, WORLD)
 
 

@@ -133,7 +133,8 @@ def _as_bytes(t: torch.Tensor, move: Callable[[torch.Tensor], torch.Tensor]) -> 
 @dataclass(frozen=True)
 class GatherLayout:
     """What one weight all-gathers: the rowwise copy and, unless the weight is 16x16 NVFP4, a
-    columnwise copy. Fixed at the first all-gather."""
+    columnwise copy. It must not change after the first all-gather (FSDP sized its buffers).
+    """
 
     shape: torch.Size
     world_size: int
@@ -258,6 +259,7 @@ class ShardedWeight(torch.Tensor):
     wrapped tensor, and FSDP's all-gather sends it quantized (see the module docstring)."""
 
     _data: torch.Tensor
+    _layout: GatherLayout | None = None  # what the first all-gather sent
 
     @staticmethod
     def __new__(cls, data: torch.Tensor) -> ShardedWeight:
@@ -320,6 +322,13 @@ class ShardedWeight(torch.Tensor):
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
         world_size = mesh.size()
         layout = GatherLayout.for_layer(module, outer_size, world_size)
+        if self._layout is not None and layout != self._layout:
+            raise ValueError(
+                f"{module!r}: its weight was all-gathered as {self._layout.describe()}, now "
+                f"the recipe asks for {layout.describe()}; FSDP's buffers are fixed at the "
+                "first all-gather, so a layer's recipe cannot change under quantized all-gather"
+            )
+        self._layout = layout
         shard = self._data
         if tuple(shard.shape) != (outer_size[0] // world_size, outer_size[1]):
             raise ValueError(
