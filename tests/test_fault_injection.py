@@ -15,6 +15,7 @@ points of all writes take well under a minute.
 """
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -148,10 +149,12 @@ POINTS = {
 
 
 class Armed:
-    """Counts the calls of one write point and fails the `at`-th (0: never)."""
+    """Counts the calls of one write point and fails the `at`-th (0: never), as the point's
+    failure does, or as `fail` makes it."""
 
-    def __init__(self, monkeypatch, point: str, at: int = 0) -> None:
+    def __init__(self, monkeypatch, point: str, at: int = 0, fail=None) -> None:
         owner, name, make = POINTS[point]
+        make = fail or make
         original = getattr(os if owner is _RunFileOs else owner, name)
         failing = make(original)
         self.calls = 0
@@ -260,6 +263,46 @@ def test_run_files_and_checkpoints_are_fsynced(tmp_path, monkeypatch):
     assert synced.count(str(run_dir)) >= 2  # each rename into place
 
 
+def cli_flags(run_dir) -> list[str]:
+    """`blockscale train` flags for CFG into `run_dir`."""
+    flags = ["--quiet", "--out", str(run_dir)]
+    for f in dataclasses.fields(CFG):
+        value = getattr(CFG, f.name)
+        if value != f.default:
+            flags += [f"--{f.name.replace('_', '-')}", str(value)]
+    return flags
+
+
+def _disk_full(original):
+    def call(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    return call
+
+
+@pytest.mark.parametrize(
+    ("point", "at"), [("metrics row", 5), ("trainer tensors", 2), ("atomic write", 1)]
+)
+def test_a_full_disk_ends_in_one_line_and_the_run_resumes(
+    point, at, reference, tmp_path, monkeypatch, capsys
+):
+    """A write that fails (here: no space left) at a metrics row, a checkpoint, config.json:
+    one line and status 2 instead of a traceback, and once there is room the run goes on to
+    the uninterrupted run's rows and weights."""
+    from blockscale.cli import main
+
+    run_dir = tmp_path / "run"
+    with monkeypatch.context() as m:
+        Armed(m, point, at, fail=_disk_full)
+        assert main(["train", *cli_flags(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write the run in {run_dir}: [Errno 28] No space left on device" in err
+    assert err.count("\n") == 1
+    resume = ["--resume"] if (run_dir / "config.json").exists() else []
+    assert main(["train", *resume, *cli_flags(run_dir)]) == 0
+    assert_same_run(run_dir, reference)
+
+
 @pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="needs Linux /proc")
 @pytest.mark.parametrize(("point", "at"), [("trainer tensors", 2), ("metrics row", 4)])
 def test_sigkill_at_a_write_resumes_from_the_command_line(point, at, reference, tmp_path):
@@ -288,13 +331,8 @@ def kill(*args, **kwargs):
 setattr(owner, {name!r}, kill)
 sys.exit(main(sys.argv[1:]))
 """
-    flags = ["--quiet", "--out", str(run_dir)]
-    for f in dataclasses.fields(CFG):
-        value = getattr(CFG, f.name)
-        if value != f.default:
-            flags += [f"--{f.name.replace('_', '-')}", str(value)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = [sys.executable, "-c", driver, "train", *flags]
+    run = [sys.executable, "-c", driver, "train", *cli_flags(run_dir)]
     killed = subprocess.run(run, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     resumed = subprocess.run(

@@ -123,3 +123,9 @@ def test_a_hand_edited_config_json_gets_one_clear_error(tmp_path, capsys):
     (run / "config.json").write_text("[1, 2]")
     assert main(["train", "--resume", "--out", str(run)]) == 2
     assert "is not a JSON object" in capsys.readouterr().err
+
+
+def test_out_where_no_folder_can_be_made_gets_one_line(capsys):
+    assert main(["train", "--out", "/proc/no-such-run", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the run in /proc/no-such-run: [Errno" in err and err.count("\n") == 1

@@ -13,8 +13,11 @@ a rename that the file system had only in memory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+
+from blockscale.train.errors import UsageError
 
 
 def fsync_dir(path: Path) -> None:
@@ -59,3 +62,21 @@ def append_line(path: Path, line: str) -> None:
     """Append one line; a crash may leave it torn (cut short, no newline) but nothing else."""
     with open(path, "a", encoding="utf-8") as f:
         f.write(line + "\n")
+
+
+def write_failure(run_dir: Path, error: OSError) -> UsageError:
+    """One line for a failed write into the run (a full disk, a missing or read-only folder)
+    that says what to do; the writes above leave the run resumable whenever they fail."""
+    return UsageError(
+        f"cannot write the run in {run_dir}: {error}; the run's files so far are intact: fix "
+        "that and rerun (with --resume once the run has a checkpoint)"
+    )
+
+
+@contextlib.contextmanager
+def reported(run_dir: Path):
+    """Raise `write_failure` for an OSError in the block."""
+    try:
+        yield
+    except OSError as e:
+        raise write_failure(run_dir, e) from None

@@ -184,12 +184,13 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     ckpts = checkpoint.checkpoint_dirs(run_dir)
     if resume and ckpts:
         start, partial = checkpoint.load(ckpts[-1], model, optimizer, run=identity(cfg))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # First, since it can still refuse (a damaged row before the last): a fresh start keeps no
-    # rows, a resumed run those up to its checkpoint.
-    metrics.truncate_after(start if start else -1)
-    cfg.save(run_dir / "config.json")
-    (run_dir / "summary.json").unlink(missing_ok=True)
+    with files.reported(run_dir):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # First, since it can still refuse (a damaged row before the last): a fresh start keeps
+        # no rows, a resumed run those up to its checkpoint.
+        metrics.truncate_after(start if start else -1)
+        cfg.save(run_dir / "config.json")
+        (run_dir / "summary.json").unlink(missing_ok=True)
 
     # Inductor's default fast math (approximate division, dropped BF16 round trips, FMA) would
     # move quantization codes; these options keep eager's numerics, for every recipe alike.
@@ -359,6 +360,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                         bar,
                     )
                     break
+    except OSError as e:  # a metrics row or a checkpoint could not be written
+        raise files.write_failure(run_dir, e) from None
     except torch.OutOfMemoryError:
         raise UsageError(
             f"out of memory on {device} at step {step}: batch_size={cfg.batch_size} x seq_len={seq_len} of model "
@@ -368,7 +371,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
         if bar is not None:
             bar.close()
     summary = summarize(run_dir, cfg, recipe, status, n_params, device, reached, tokens_per_step)
-    files.write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    with files.reported(run_dir):
+        files.write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
 
 
