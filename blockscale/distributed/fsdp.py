@@ -71,10 +71,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from blockscale import _library
 from blockscale.distributed._collectives import all_reduce_amax
-from blockscale.distributed.weight import Container, QuantizedWeight
-from blockscale.formats import mxfp8, nvfp4
+from blockscale.distributed.weight import Container, QuantizedWeight, quantize_weight
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.nn.linear import Linear
@@ -106,22 +104,6 @@ def _shard_amax(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """max |w| over the whole weight from its shards: one all-reduce of a scalar."""
     local = shard.abs().amax() if shard.numel() else shard.new_zeros(())
     return all_reduce_amax(local.float(), group)
-
-
-def quantize_shard(
-    x: torch.Tensor, config: OperandConfig, transpose: bool, amax: torch.Tensor | None
-) -> Container:
-    """x quantized per `config` (along its last dim, or its first with transpose=True), NVFP4
-    with the given tensor amax; the Triton kernels on CUDA, formats/ elsewhere."""
-    kernels = _library.kernels() if _library.use_kernels(x) else None
-    if config.format is Format.NVFP4:
-        options = {"block": config.block, "rounding": "nearest", "transpose": transpose}
-        if kernels is not None:
-            return kernels.nvfp4_quantize(x, amax=amax, **options)
-        return nvfp4.quantize(x, amax=amax, **options)
-    if kernels is not None:
-        return kernels.mxfp8_quantize(x, transpose=transpose)
-    return mxfp8.quantize(x, transpose=transpose)
 
 
 def _as_bytes(t: torch.Tensor, move: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -202,11 +184,11 @@ class GatherLayout:
     def inputs(self, shard: torch.Tensor, amax: torch.Tensor | None) -> list[torch.Tensor]:
         """The shard's all-gather inputs: codes and scales per copy, each with rows first."""
         out = []
-        row = quantize_shard(shard, self.rowwise, False, amax)
+        row = quantize_weight(shard, self.rowwise, False, amax)
         scale = row.scale[::16] if self.rowwise.block == "16x16" else row.scale
         out += [row.data, scale]
         if self.columnwise is not None:
-            col = quantize_shard(shard, self.columnwise, True, amax)
+            col = quantize_weight(shard, self.columnwise, True, amax)
             out += [col.data, col.scale]
         return [_as_bytes(t, torch.Tensor.contiguous) for t in out]
 

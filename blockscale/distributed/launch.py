@@ -9,7 +9,8 @@ that rank's traceback.
 from __future__ import annotations
 
 import os
-import socket
+import shutil
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -18,16 +19,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(
     rank: int,
     world_size: int,
-    port: int,
+    store: str,
     device: str,
     threads: int,
     fn: Callable[..., Any],
@@ -38,12 +33,14 @@ def _entry(
         torch.cuda.set_device(rank)
     backend = "nccl" if device == "cuda" else "gloo"
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        backend, init_method=f"file://{store}", rank=rank, world_size=world_size
     )
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    fn(rank, world_size, *args)
+    # Every rank done before any tears its connections down: a gloo rank whose peer closed
+    # first can abort at exit ("terminate called without an active exception"). A rank that
+    # raised skips this; the spawn then stops the others.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run_local(
@@ -64,9 +61,14 @@ def run_local(
             f"world_size={world_size} needs {world_size} GPUs, found {torch.cuda.device_count()}"
         )
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    mp.spawn(
-        _entry,
-        args=(world_size, _free_port(), device, threads, fn, args),
-        nprocs=world_size,
-        join=True,
-    )
+    # A file store in a fresh directory rather than a TCP port: concurrent runs cannot collide.
+    folder = tempfile.mkdtemp(prefix="blockscale-ranks-")
+    try:
+        mp.spawn(
+            _entry,
+            args=(world_size, os.path.join(folder, "store"), device, threads, fn, args),
+            nprocs=world_size,
+            join=True,
+        )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from blockscale.distributed._collectives import all_reduce_amax
-from blockscale.distributed.weight import QuantizedWeight
+from blockscale.distributed.weight import QuantizedWeight, quantize_weight
 from blockscale.formats import e2m1, nvfp4
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.nn.linear import Linear
@@ -80,7 +80,7 @@ def to_nvfp4_primary_weights(model: nn.Module) -> dict[str, torch.Tensor]:
         if config is None or isinstance(module.weight, QuantizedWeight):
             continue
         weight = module.weight.detach()
-        q = nvfp4.quantize(weight, block="16x16")
+        q = quantize_weight(weight, config, transpose=False, amax=None)
         primary = QuantizedWeight(weight.shape, weight.dtype, (config, q))
         module.weight = nn.Parameter(primary, requires_grad=module.weight.requires_grad)
         masters[f"{name}.weight" if name else "weight"] = weight
@@ -161,7 +161,7 @@ def cast_master_weights_to_nvfp4(
         amax = bands.abs().view(bands.shape[0], TILE, cols // TILE, TILE).amax(dim=(1, 3))
         at = tile_base[i] + first * (cols // TILE)
         tile_amax[at : at + amax.numel()] = amax.reshape(-1)
-        owned.append((i, start, first, bands))
+        owned.append((i, shard, start))
 
     # 2. one all-reduce for every tile amax; tensor amaxes are the max of their tiles'
     bits = all_reduce_amax(tile_amax, group).view(torch.int32)
@@ -178,16 +178,17 @@ def cast_master_weights_to_nvfp4(
 
     # 3. codes of owned elements into one zeroed byte buffer; one all-reduce assembles them
     codes_out = torch.zeros(byte_base[-1], dtype=torch.uint8, device=device)
-    for i, start, first, bands in owned:
+    for i, shard, start in owned:
         cols = targets[i].shape[1]
+        # padded again rather than kept from step 1: one weight's padded copy at a time
+        first, bands = _bands(shard, start, cols)
         at = tile_base[i] + first * (cols // TILE)
         e = enc[at : at + bands.shape[0] * (cols // TILE)].view(-1, 1, cols // TILE, 1)
         v = (bands.view(bands.shape[0], TILE, cols // TILE, TILE) * e).clamp(-e2m1.MAX, e2m1.MAX)
         codes = e2m1.round_nearest(v).reshape(-1)
-        n = master_weight_shards[i].numel()  # type: ignore[union-attr]
         skip = start - first * TILE * cols
         out = codes_out[byte_base[i] : byte_base[i + 1]]
-        _write_codes(out, codes[skip : skip + n], start)
+        _write_codes(out, codes[skip : skip + shard.numel()], start)
     dist.all_reduce(codes_out, op=dist.ReduceOp.SUM, group=group)
 
     with torch.no_grad():

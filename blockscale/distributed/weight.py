@@ -31,12 +31,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map_only
 
+from blockscale import _library
+from blockscale.formats import mxfp8, nvfp4
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.ops.quantize import as_operand
-from blockscale.recipes import OperandConfig
+from blockscale.recipes import Format, OperandConfig
 
 Container = NVFP4Tensor | MXFP8Tensor
 
@@ -214,13 +215,26 @@ class QuantizedWeight(torch.Tensor):
         )
 
     def __repr__(self) -> str:  # type: ignore[override]
-        cols = "" if self.columnwise_config is None else f", columnwise={self.columnwise_config}"
+        col = self.columnwise_config
+        cols = "" if col is None else f", columnwise={col.describe()}"
         return (
             f"QuantizedWeight(shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"rowwise={self.rowwise_config.describe()}{cols})"
         )
 
 
-def unwrap(x: Any, cls: type, attr: str) -> Any:
-    """`x` with every `cls` instance replaced by its `attr` (pytree-aware)."""
-    return tree_map_only(cls, lambda t: getattr(t, attr), x)
+def quantize_weight(
+    x: torch.Tensor, config: OperandConfig, transpose: bool, amax: torch.Tensor | None
+) -> Container:
+    """A weight (or a shard of one) quantized per `config`, along its last dim or, with
+    transpose=True, its first; NVFP4 with the given tensor amax (None: its own). The Triton
+    kernels on CUDA, formats/ elsewhere: the same bits."""
+    kernels = _library.kernels() if _library.use_kernels(x) else None
+    if config.format is Format.NVFP4:
+        options = {"block": config.block, "rounding": "nearest", "transpose": transpose}
+        if kernels is not None:
+            return kernels.nvfp4_quantize(x, amax=amax, **options)
+        return nvfp4.quantize(x, amax=amax, **options)
+    if kernels is not None:
+        return kernels.mxfp8_quantize(x, transpose=transpose)
+    return mxfp8.quantize(x, transpose=transpose)
