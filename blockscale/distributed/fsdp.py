@@ -11,7 +11,8 @@ fully_shard(model)
 ```
 
 Mechanism: FSDP2's tensor-subclass all-gather extension (`fsdp_pre_all_gather` /
-`fsdp_post_all_gather` on the parameter's local tensor, the same interface on torch 2.11-2.13).
+`fsdp_post_all_gather` on the parameter's local tensor; run on torch 2.13, docs/DISTRIBUTED.md
+says why 2.11-2.12 should behave the same).
 `enable_quantized_all_gather` wraps the weight of every quantized `blockscale.nn.Linear` in a
 `ShardedWeight`: a thin subclass around the FP32 tensor that behaves as that tensor for every
 op (the optimizer updates the FP32 shard in place, its state is plain FP32, the state_dict
@@ -55,7 +56,7 @@ copy. K must already fit the recipe (as for any converted layer).
 
 Limits: the layout of what is gathered is fixed at the first all-gather (FSDP allocates its
 buffers once), so a layer's recipe, or `quantize_enabled` (set_precision), cannot change
-afterwards; `reshard_after_forward=<int>` (resharding onto a smaller group) is not supported
+afterwards (a ValueError says so); `reshard_after_forward=<int>` (resharding onto a smaller group) is not supported
 by FSDP's extension; weight quantization must round to nearest (stochastic rounding of a shard
 would not reproduce the one-device bits).
 """
