@@ -157,34 +157,40 @@ def test_compile_first_kernel_path_caches_no_fake_hadamard(kernel_path_on_cpu):
     assert type(_common.hadamard_matrix(torch.device("cpu"))) is torch.Tensor
 
 
-def test_kernel_path_compiles_to_opaque_ops_with_eager_bits(kernel_path_on_cpu):
+@pytest.mark.parametrize("fused_gemm", [True, False], ids=["fused", "epilogue_in_place"])
+def test_kernel_path_compiles_to_opaque_ops_with_eager_bits(
+    kernel_path_on_cpu, fused_gemm, monkeypatch
+):
     """Under torch.compile every Triton-backed op stays one opaque op (docs in _library.py):
     AOTAutograd does not decompose it into kernel launches, which cost Triton-IR analysis per
     call and per-call-site kernel compiles (the GPU compile of a 16-block Llama stalled on
     them). The compiled step then runs eager's kernels, so it gives eager's bits under plain
     torch.compile, with no Inductor options. Runs the kernels in Triton's interpreter."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor import config as inductor_config
+
+    from blockscale.gemm import dispatch
 
     targets: list[str] = []
 
-    def record(gm, example_inputs):
-        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return make_boxed_func(gm.forward)
+    def record(graph: torch.fx.Graph) -> None:  # the post-grad graphs Inductor lowers
+        targets.extend(str(n.target) for n in graph.nodes if n.op == "call_function")
 
     recipe = recipes.get("nvfp4", stochastic_rounding=False)
+    # Unfused, FP32 outputs take the epilogue op in place on the accumulator (out is acc):
+    # a mutating op whose output aliases its input, functionalized as one op.
+    monkeypatch.setattr(dispatch, "FUSED_GEMM", fused_gemm)
     torch.manual_seed(0)
     model = bsnn.convert(MLP(), recipe)
     x = torch.randn(2, 32, 64)
     go = torch.randn(2, 32, 64)
     results = []
-    recorder = aot_autograd(fw_compiler=record, bw_compiler=record)
-    for fn in (model, torch.compile(model, fullgraph=True), torch.compile(model, backend=recorder)):
-        model.zero_grad(set_to_none=True)
-        xi = x.clone().requires_grad_(True)
-        y = fn(xi)
-        y.backward(go)
-        results.append([y, xi.grad, model.up.weight.grad, model.down.weight.grad])
+    with inductor_config.patch(post_grad_custom_post_pass=record):
+        for fn in (model, torch.compile(model, fullgraph=True)):
+            model.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            y = fn(xi)
+            y.backward(go)
+            results.append([y, xi.grad, model.up.weight.grad, model.down.weight.grad])
     assert any("blockscale.nvfp4_quantize_2d" in t for t in targets), targets
     assert not [t for t in targets if "triton_kernel_wrapper" in t], targets
     for name, e, c in zip(["output", "grad_input", "up.grad_weight", "down.grad_weight"],
