@@ -67,6 +67,25 @@ def _keep_whole_under_functionalization(op: Any) -> None:
     op.register_torch_dispatch(FunctionalTensorMode, rule)
 
 
+def _fake_with_constants(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` as its own fake impl (what triton_op registers), with the real tensors it hands
+    its kernels itself (the cached Hadamard matrix: kernels/_common.py builds it real on
+    purpose, outside any mode) let through as constants. Without this the kernel launch under
+    FakeTensorMode rejects them on torch 2.13 ("Please convert all Tensors to FakeTensors
+    first"), and Dynamo cannot trace a converted model's Hadamard quantizations at all."""
+    from torch._subclasses.fake_tensor import fake_tensor_tls  # noqa: PLC0415
+
+    def fake(*args: Any, **kwargs: Any) -> Any:
+        saved = fake_tensor_tls.allow_non_fake_inputs_override
+        fake_tensor_tls.allow_non_fake_inputs_override = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            fake_tensor_tls.allow_non_fake_inputs_override = saved
+
+    return fake
+
+
 def library_op(
     name: str, mutates_args: Iterable[str] = (), triton: bool = False
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -75,6 +94,7 @@ def library_op(
         op = make(name, mutates_args=tuple(mutates_args))(fn)
         if triton:
             _keep_whole_under_functionalization(op)
+            op.register_fake(_fake_with_constants(fn))
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:

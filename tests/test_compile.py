@@ -208,3 +208,68 @@ def test_tracing_the_kernel_lookup_does_not_trace_a_cache_wrapper(kernel_path_on
         warnings.simplefilter("always")
         torch.compile(model, fullgraph=True, backend="eager")(torch.randn(2, 32, 64))
     assert not [w for w in caught if "lru_cache" in str(w.message)]
+
+
+TRACE_WITH_JIT_KERNELS = """
+import torch
+from torch import nn
+from torch._dynamo.backends.common import aot_autograd
+
+import blockscale.nn as bsnn
+from blockscale import _library, recipes
+from blockscale.models.moe import MoE, MoEConfig
+
+_library.use_kernels = lambda t: True
+assert type(_library.kernels().nvfp4._nvfp4_quantize_kernel).__name__ == "JITFunction"
+counts = []
+
+
+def record(gm, example_inputs):
+    counts.append(sum("blockscale." in str(n.target) for n in gm.graph.nodes))
+    raise RuntimeError("traced")
+
+
+layers = {
+    "mlp": nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64)),
+    "moe": MoE(MoEConfig(dim=64, n_layers=1, n_heads=1, ffn_dim=64, seq_len=32, n_experts=4,
+                         top_k=2)),
+}
+for name, layer in layers.items():
+    torch._dynamo.reset()
+    bsnn.convert(layer, recipes.get("nvfp4", stochastic_rounding=False))
+    try:
+        torch.compile(layer, fullgraph=True, backend=aot_autograd(fw_compiler=record))(
+            torch.randn(64, 64, requires_grad=True)
+        )
+    except Exception as e:
+        if "traced" not in str(e):
+            raise
+    print(name, counts[-1])
+"""
+
+
+def test_kernel_path_traces_with_triton_jit_kernels():
+    """What the GPU traces, traced on the CPU: Dynamo and AOTAutograd over a converted MLP and
+    a converted MoE layer (experts through their nonstrict_trace call) on the kernel path,
+    with the real wrap_triton and jit (not interpreted) kernels, up to the compiler, which
+    stops there (nothing runs). Catches what only a GPU compile would show, e.g. a real
+    tensor a kernel wrapper passes to its launch under FakeTensorMode (the Hadamard matrix:
+    "Please convert all Tensors to FakeTensors first" on torch 2.13, in Dynamo for the dense
+    layers and in AOTAutograd for the experts). A subprocess: this session's kernels are
+    interpreted ones, which wrap_triton refuses."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", TRACE_WITH_JIT_KERNELS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = dict(line.split() for line in done.stdout.splitlines())
+    assert int(counts["mlp"]) > 0 and int(counts["moe"]) > 0, done.stdout
