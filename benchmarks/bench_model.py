@@ -235,7 +235,7 @@ def failure(e: BaseException) -> str:
 
 def run_case(name: str, spec: ModelSpec, mode: str, recipe: str, args, device) -> dict[str, Any]:
     row: dict[str, Any] = {"model": name, "mode": mode, "recipe": recipe, "status": "ok"}
-    model = optimizer = step = None
+    model = optimizer = forward = step = batches = None
     try:
         model, vocab = build(spec, args.layers, args.seq_len, device)
         row["layers"] = args.layers or spec.layers()
@@ -271,9 +271,9 @@ def run_case(name: str, spec: ModelSpec, mode: str, recipe: str, args, device) -
     except Exception as e:  # a failing recipe must not lose the others' figures
         row["status"] = failure(e)
     finally:
-        del model, optimizer, step
-        gc.collect()
+        del model, optimizer, forward, step, batches  # the next row starts from free memory
         torch._dynamo.reset()
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return row
