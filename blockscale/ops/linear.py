@@ -63,7 +63,7 @@ from blockscale.ops.quantize import (
     quantize_rows_and_tokens,
     save_operand,
 )
-from blockscale.recipes import Recipe
+from blockscale.recipes import OperandConfig, Recipe
 
 Operand = QuantizedOperand | Transposed
 
@@ -114,7 +114,7 @@ def _mm(
 
 
 def weight_operand(
-    weight: torch.Tensor, config: Any, transpose: bool = False, dq: bool = False
+    weight: torch.Tensor, config: OperandConfig, transpose: bool = False, dq: bool = False
 ) -> QuantizedOperand:
     """The weight quantized per `config`. A weight that arrives already quantized (one that
     blockscale.distributed all-gathered as NVFP4/MXFP8, or NVFP4 primary weights) has a
