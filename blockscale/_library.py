@@ -61,21 +61,22 @@ def _keep_whole_under_functionalization(op: Any) -> None:
 
     def rule(mode: Any, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         if INLINE_TRITON_KERNELS:
-            return decompose(mode, func, types, args, kwargs)
+            return _with_constants(decompose)(mode, func, types, args, kwargs)
         return mode.__torch_dispatch__(func, types, args, kwargs)
 
     op.register_torch_dispatch(FunctionalTensorMode, rule)
 
 
-def _fake_with_constants(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` as its own fake impl (what triton_op registers), with the real tensors it hands
-    its kernels itself (the cached Hadamard matrix: kernels/_common.py builds it real on
-    purpose, outside any mode) let through as constants. Without this the kernel launch under
-    FakeTensorMode rejects them on torch 2.13 ("Please convert all Tensors to FakeTensors
-    first"), and Dynamo cannot trace a converted model's Hadamard quantizations at all."""
+def _with_constants(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` run with the real tensors it hands its kernels itself (the cached Hadamard matrix:
+    kernels/_common.py builds it real on purpose, outside any mode) let through as constants.
+    Triton-backed ops run their own function as their fake impl (what triton_op registers);
+    there, without this, the kernel launch under FakeTensorMode rejects them on torch 2.13
+    ("Please convert all Tensors to FakeTensors first"), and Dynamo cannot trace a converted
+    model's Hadamard quantizations at all."""
     from torch._subclasses.fake_tensor import fake_tensor_tls  # noqa: PLC0415
 
-    def fake(*args: Any, **kwargs: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
         saved = fake_tensor_tls.allow_non_fake_inputs_override
         fake_tensor_tls.allow_non_fake_inputs_override = True
         try:
@@ -83,7 +84,7 @@ def _fake_with_constants(fn: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             fake_tensor_tls.allow_non_fake_inputs_override = saved
 
-    return fake
+    return run
 
 
 def library_op(
@@ -94,7 +95,7 @@ def library_op(
         op = make(name, mutates_args=tuple(mutates_args))(fn)
         if triton:
             _keep_whole_under_functionalization(op)
-            op.register_fake(_fake_with_constants(fn))
+            op.register_fake(_with_constants(fn))
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
