@@ -77,7 +77,7 @@ def _with_constants(fn: Callable[..., Any]) -> Callable[..., Any]:
     from torch._subclasses.fake_tensor import fake_tensor_tls  # noqa: PLC0415
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        saved = fake_tensor_tls.allow_non_fake_inputs_override
+        saved = getattr(fake_tensor_tls, "allow_non_fake_inputs_override", None)
         fake_tensor_tls.allow_non_fake_inputs_override = True
         try:
             return fn(*args, **kwargs)
