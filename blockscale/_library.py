@@ -57,7 +57,9 @@ def _keep_whole_under_functionalization(op: Any) -> None:
     INLINE_TRITON_KERNELS asks for torch's decomposition into its kernel launches."""
     from torch._subclasses.functional_tensor import FunctionalTensorMode  # noqa: PLC0415
 
-    decompose = op._torch_dispatch_fns[FunctionalTensorMode]
+    decompose = op._torch_dispatch_fns.get(FunctionalTensorMode)
+    if decompose is None:  # a torch whose triton_op does not decompose: already whole
+        return
 
     def rule(mode: Any, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         if INLINE_TRITON_KERNELS:
