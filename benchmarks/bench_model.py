@@ -374,12 +374,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 figures = ", ".join(f"{k}={harness.fmt(row.get(k))}" for k in
                                     ("first_s", "step_ms", "tokens_per_s", "peak_gib", "host_ms"))  # fmt: skip
                 print(f"  {name} {mode} {recipe}: {figures} [{row['status']}]", flush=True)
+                if args.out:  # after every row: a run cut short keeps the rows it finished
+                    add_ratios(rows)
+                    record = {"benchmark": "model", "banner": info,
+                              "argv": sys.argv[1:] if argv is None else argv,
+                              "batch_size": args.batch_size, "seq_len": args.seq_len,
+                              "inline_triton": args.inline_triton, "rows": rows}  # fmt: skip
+                    harness.write_json(args.out, record)
     add_ratios(rows)
-    if args.out:
-        record = {"benchmark": "model", "banner": info, "argv": sys.argv[1:] if argv is None
-                  else argv, "batch_size": args.batch_size, "seq_len": args.seq_len,
-                  "inline_triton": args.inline_triton, "rows": rows}  # fmt: skip
-        harness.write_json(args.out, record)
     print_profiles(rows)
     print(f"\nB={args.batch_size} T={args.seq_len}, ratios to BF16 in the same mode and run")
     harness.print_table(rows, COLUMNS)
