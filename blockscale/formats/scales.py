@@ -11,8 +11,9 @@ FLT_MAX = torch.finfo(torch.float32).max
 def to_e4m3(x: torch.Tensor) -> torch.Tensor:
     """FP32 -> float8_e4m3fn, round to nearest even, saturating at +-448.
 
-    A plain cast does not saturate: values past 448 would become NaN, hence the clamp.
-    NaN stays NaN.
+    The clamp makes the result independent of what the cast does out of range, which differs
+    across devices and torch versions (torch 2.13's CPU cast saturates: 500 and inf give 448;
+    one that does not saturate can only give NaN, E4M3 having no infinity). NaN stays NaN.
     """
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
