@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from blockscale import gemm, mxfp8, nvfp4, recipes
-from blockscale.formats import e2m1
+from blockscale.formats import e2m1, grouped
+from blockscale.gemm import emulated
+from blockscale.gemm import grouped as gemm_grouped
 from blockscale.train import TrainConfig, build, read_metrics, train
 
 
@@ -19,21 +21,70 @@ def operands(hadamard_a: bool, hadamard_b: bool):
     return nvfp4.quantize(a, hadamard=hadamard_a), nvfp4.quantize(b, hadamard=hadamard_b)
 
 
+def exact_product():
+    """a @ b.T of `operands`' inputs before quantization."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(32, 64, generator=g), torch.randn(48, 64, generator=g)
+    return a @ b.T
+
+
+# NVFP4 round-to-nearest leaves a relative RMS error of about 0.09 on Gaussian values, so a
+# product of two quantized operands is off by about sqrt(2) * 0.09 = 0.13 (0.13 measured here,
+# with and without the transform); one transformed operand alone is off by about 1.5.
+PRODUCT_TOLERANCE = 0.2
+
+
+# the public dispatch (every backend) and the emulated GEMM called directly
+SCALED_MMS = {"dispatch": gemm.scaled_mm, "emulated": emulated.scaled_mm}
+ONE_HADAMARD = "a Hadamard-transformed operand pairs only with another"
+
+
+@pytest.mark.parametrize("entry", list(SCALED_MMS))
 @pytest.mark.parametrize(("ha", "hb"), [(True, False), (False, True)])
-def test_scaled_mm_refuses_one_hadamard_operand(ha, hb):
+def test_scaled_mm_refuses_one_hadamard_operand(entry, ha, hb):
     """(A H) B^T is not A B^T: the product came out with a relative error of 1.5, no error."""
     a, b = operands(ha, hb)
-    with pytest.raises(ValueError, match="a Hadamard-transformed operand pairs only with another"):
-        gemm.scaled_mm(a, b)
+    with pytest.raises(ValueError, match=f"{ONE_HADAMARD} one: a has hadamard={ha}, b has"):
+        SCALED_MMS[entry](a, b)
 
 
-def test_scaled_mm_with_two_hadamard_operands_is_the_plain_product():
-    a, b = operands(True, True)
-    plain_a, plain_b = operands(False, False)
-    exact = plain_a.dequantize() @ plain_b.dequantize().T
-    out = gemm.scaled_mm(a, b)
-    # both operands carry NVFP4 error; the transform cancels, so the product stays close
-    assert (out - exact).norm() / exact.norm() < 0.2
+@pytest.mark.parametrize("entry", list(SCALED_MMS))
+def test_scaled_mm_with_two_hadamard_operands_is_the_plain_product(entry):
+    exact = exact_product()
+    out = SCALED_MMS[entry](*operands(True, True))
+    assert (out - exact).norm() / exact.norm() < PRODUCT_TOLERANCE
+
+
+def grouped_token_operands(hadamard_a: bool, hadamard_b: bool):
+    """The grad_weight operands of 3 experts (17, 0 and 40 tokens): grad_output [N=32, P] and
+    input [K=48, P] in the token layout, quantized along the tokens (the contraction); and
+    the exact per-expert product grad_output[rows of e].T @ input[rows of e]."""
+    g = torch.Generator().manual_seed(0)
+    offs = torch.tensor([17, 17, 57], dtype=torch.int32)
+    go, x = torch.randn(57, 32, generator=g), torch.randn(57, 48, generator=g)
+    a = grouped.nvfp4_quantize_tokens(go, offs, hadamard=hadamard_a)
+    b = grouped.nvfp4_quantize_tokens(x, offs, hadamard=hadamard_b)
+    exact = torch.stack([go[:17].T @ x[:17], torch.zeros(32, 48), go[17:].T @ x[17:]])
+    return a, b, offs, grouped.token_layout(offs, 57).seg_ends, exact
+
+
+@pytest.mark.parametrize(("ha", "hb"), [(True, False), (False, True)])
+def test_grouped_gemms_refuse_one_hadamard_operand(ha, hb):
+    a, b, offs, seg_ends, _ = grouped_token_operands(ha, hb)
+    with pytest.raises(ValueError, match=f"{ONE_HADAMARD} one: a has hadamard={ha}, b has"):
+        gemm_grouped.grouped_mm_tokens(a, b, offs, seg_ends, 16)
+    # the rows GEMM (output, grad_input): a Hadamard row operand against plain expert weights
+    rows = nvfp4.quantize(torch.randn(57, 64), hadamard=True)
+    experts = grouped.nvfp4_quantize_experts(torch.randn(3, 32, 64))
+    with pytest.raises(ValueError, match=f"{ONE_HADAMARD} one: a has hadamard=True, b has"):
+        gemm_grouped.grouped_mm_rows(rows, experts, offs)
+
+
+def test_grouped_gemm_with_two_hadamard_operands_is_the_plain_product():
+    a, b, offs, seg_ends, exact = grouped_token_operands(True, True)
+    out = gemm_grouped.grouped_mm_tokens(a, b, offs, seg_ends, 16)
+    assert out.shape == (3, 32, 48) and (out[1] == 0).all()  # expert 1 has no tokens
+    assert (out - exact).norm() / exact.norm() < PRODUCT_TOLERANCE
 
 
 def test_a_hadamard_tensor_cannot_stand_for_its_transpose():

@@ -123,14 +123,7 @@ def _check(a: Operand, b: Operand, bias: torch.Tensor | None) -> None:
         raise ValueError(
             f"both operands must share a format, got {type(a).__name__} and {type(b).__name__}"
         )
-    if _hadamard(a) != _hadamard(b):
-        # (A H)(B H)^T = A B^T only when both sides carry the transform; one alone gives
-        # A H B^T, a different product, with no error to show for it.
-        raise ValueError(
-            f"a Hadamard-transformed operand pairs only with another one: a has "
-            f"hadamard={_hadamard(a)}, b has hadamard={_hadamard(b)} (the transform cancels "
-            "in a @ b.T only when both carry it)"
-        )
+    emulated.check_hadamard_pairing(_hadamard(a), _hadamard(b))
     if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(
             f"scaled_mm needs a [M, K] and b [N, K], got {tuple(a.shape)} and {tuple(b.shape)}"

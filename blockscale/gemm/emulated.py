@@ -21,11 +21,24 @@ QuantizedTensor = NVFP4Tensor | MXFP8Tensor
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def check_hadamard_pairing(a_hadamard: bool, b_hadamard: bool) -> None:
+    """Both operands of a GEMM carry the Hadamard transform along K, or neither does: the
+    transform cancels, (A H)(B H)^T = A B^T, only in pairs; one alone gives A H B^T, a
+    different product with no error to show for it. Reads flags only (no device sync)."""
+    if a_hadamard != b_hadamard:
+        raise ValueError(
+            f"a Hadamard-transformed operand pairs only with another one: a has "
+            f"hadamard={a_hadamard}, b has hadamard={b_hadamard} (the transform cancels in "
+            "a @ b.T only when both carry it)"
+        )
+
+
 def _check_operands(a: QuantizedTensor, b: QuantizedTensor) -> None:
     if type(a) is not type(b):
         raise ValueError(
             f"both operands must share a format, got {type(a).__name__} and {type(b).__name__}"
         )
+    check_hadamard_pairing(getattr(a, "hadamard", False), getattr(b, "hadamard", False))
     if len(a.shape) != 2 or len(b.shape) != 2:
         raise ValueError(
             f"scaled_mm takes 2-D operands, got shapes {tuple(a.shape)} and {tuple(b.shape)}"

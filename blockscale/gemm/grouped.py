@@ -83,11 +83,16 @@ def _device(op: Operand) -> torch.device:
     return (op.base if isinstance(op, TransposedExperts) else op).data.device
 
 
+def _hadamard(op: Operand) -> bool:
+    return bool(getattr(op.base if isinstance(op, TransposedExperts) else op, "hadamard", False))
+
+
 def _check(a: Operand, b: Operand) -> None:
     if _is_nvfp4(a) != _is_nvfp4(b):
         raise ValueError(
             f"both operands must share a format, got {type(a).__name__} and {type(b).__name__}"
         )
+    emulated.check_hadamard_pairing(_hadamard(a), _hadamard(b))
 
 
 def _dq_dtype(op: Operand) -> torch.dtype:
