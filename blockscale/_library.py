@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import warnings
 from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
@@ -133,8 +134,30 @@ def kernels() -> ModuleType | None:
     return module
 
 
+@functools.cache
+def warn_reference_path() -> None:
+    """Warn, once per process, that CUDA tensors run the pure-PyTorch reference path (many
+    times slower) because Triton is not installed. Also called by the training CLI, which
+    warns before it builds the run, so that a process sees this message once."""
+    warnings.warn(
+        "Triton is not installed, so the Triton kernels cannot load and blockscale runs CUDA "
+        "tensors through its pure-PyTorch reference path: the same numbers, many times slower "
+        "(install triton; `python -c 'import blockscale.kernels'` shows whether they load)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def use_kernels(x: torch.Tensor) -> bool:
     """Whether `x` is quantized (and its GEMM epilogue run) by the Triton kernels: CUDA
     tensors, when Triton is there. ops/ and gemm/ both ask here, so a test that switches it
-    on for CPU tensors (Triton's interpreter) switches the whole kernel path."""
-    return x.is_cuda and kernels() is not None
+    on for CPU tensors (Triton's interpreter) switches the whole kernel path. A CUDA tensor
+    without Triton warns once (`warn_reference_path`); not while Dynamo traces, where the
+    cached call would be a side effect, and where Inductor needs Triton on CUDA anyway."""
+    if not x.is_cuda:
+        return False
+    if kernels() is None:
+        if not torch.compiler.is_compiling():
+            warn_reference_path()
+        return False
+    return True

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import warnings
 from pathlib import Path
 
 import torch
@@ -107,23 +106,13 @@ def check_memory(mcfg: ModelConfig, cfg: TrainConfig, device: torch.device) -> N
         )
 
 
-@functools.cache
-def _warn_reference_path(device_type: str) -> None:
-    warnings.warn(
-        f"the Triton kernels could not be loaded, so quantized layers on {device_type} run "
-        "the pure-PyTorch reference path: the same numbers, many times slower (is triton "
-        "installed? `python -c 'import blockscale.kernels'` shows why it fails)",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-
-
 def warn_if_reference_path(device: torch.device, recipe: recipes.Recipe) -> bool:
-    """Warn once per process when a quantized recipe will run on CUDA without the kernels (they
-    failed to import): the run would otherwise be many times slower without a word."""
+    """Warn when a quantized recipe will run on CUDA without the kernels, before the run is
+    built rather than at its first quantization: the library's warning
+    (`_library.warn_reference_path`), so the process shows it once."""
     slow = device.type == "cuda" and recipe.quantized and _library.kernels() is None
     if slow:
-        _warn_reference_path(device.type)
+        _library.warn_reference_path()
     return slow
 
 
