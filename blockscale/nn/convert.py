@@ -26,7 +26,9 @@ A linear layer or an experts module is skipped, and the log says why, when
   grouped_mm calls are routed).
 
 The log ends with "converted N of M linears" (and "and X of Y expert weights" when the model
-has experts).
+has experts). Without a `module_filter_fn`, a quantized linear that `layer_policy` would keep
+in BF16 as the LM head (`LayerPolicy.is_lm_head`) is logged at WARNING, with the way to keep
+it in BF16: quantizing the head is allowed, but rarely meant.
 
 `layer_policy(model)` builds the paper's filter (arXiv 2509.25149): keep the last ~15% of the
 transformer blocks in BF16 (their experts included), plus the LM head, embeddings and MoE
@@ -78,6 +80,8 @@ def convert(
         raise TypeError(f"recipe must be a blockscale Recipe, got {type(recipe).__name__}")
     counts = {"total": 0, "converted": 0, "expert_total": 0, "expert_converted": 0}
     swapped: dict[int, nn.Module] = {}
+    # No policy: find the LM head as layer_policy would, to say that it gets quantized.
+    heads = _lm_head_finder(model) if module_filter_fn is None and recipe.quantized else None
 
     def wants(module: nn.Module, fqn: str, n_experts: set[int]) -> bool:
         counts["total"] += 1
@@ -96,6 +100,15 @@ def convert(
             logger.warning("%s stays in high precision: %s", fqn or "<root>", reason)
             return False
         counts["converted"] += 1
+        if heads is not None and heads.is_lm_head(module, fqn):
+            logger.warning(
+                "%s is quantized to %s: it looks like an LM head (%d outputs, an embedding's "
+                "vocabulary); convert(model, recipe, module_filter_fn=layer_policy(model)) "
+                "keeps it in BF16",
+                fqn or "<root>",
+                recipe.name,
+                module.out_features,
+            )
         return True
 
     def wanted_experts(module: nn.Module, fqn: str, weights: dict[str, nn.Parameter]) -> list[str]:
@@ -209,14 +222,25 @@ class LayerPolicy:
         last = fqn.rsplit(".", 1)[-1]
         if any(fnmatch.fnmatchcase(last, pattern) for pattern in self.bf16_names):
             return False
-        if self.blocks is not None:
-            prefix = f"{self.blocks}." if self.blocks else ""
-            if fqn.startswith(prefix):
-                index = fqn[len(prefix) :].split(".", 1)[0]
-                # Inside a block a vocabulary-wide output is a coincidence of sizes (an MLP as
-                # wide as the vocabulary), not an LM head.
-                return not (index.isdigit() and int(index) in self.bf16_blocks)
-        return getattr(module, "out_features", None) not in self.vocab_sizes
+        index = self._block_index(fqn)
+        if index is not None:
+            return not (index.isdigit() and int(index) in self.bf16_blocks)
+        return not self.is_lm_head(module, fqn)
+
+    def _block_index(self, fqn: str) -> str | None:
+        """The first name component after the block list's, or None outside the blocks."""
+        if self.blocks is None:
+            return None
+        prefix = f"{self.blocks}." if self.blocks else ""
+        return fqn[len(prefix) :].split(".", 1)[0] if fqn.startswith(prefix) else None
+
+    def is_lm_head(self, module: nn.Module, fqn: str) -> bool:
+        """Whether the layer is an LM head: outside the blocks, an output as wide as an
+        embedding's vocabulary. Inside a block such a width is a coincidence of sizes (an MLP
+        as wide as the vocabulary), not an LM head."""
+        if self._block_index(fqn) is not None:
+            return False
+        return getattr(module, "out_features", None) in self.vocab_sizes
 
 
 def layer_policy(
@@ -254,8 +278,18 @@ def layer_policy(
             n,
             sorted(kept),
         )
-    vocab = frozenset(m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding))
-    return LayerPolicy(blocks_fqn, frozenset(kept), tuple(bf16_names), vocab)
+    return LayerPolicy(blocks_fqn, frozenset(kept), tuple(bf16_names), _vocab_sizes(model))
+
+
+def _vocab_sizes(model: nn.Module) -> frozenset[int]:
+    return frozenset(m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding))
+
+
+def _lm_head_finder(model: nn.Module) -> LayerPolicy:
+    """A LayerPolicy read only for `is_lm_head`: the blocks and vocabularies that
+    `layer_policy(model)` would find, without its logging."""
+    found = _find_blocks(model, None)
+    return LayerPolicy(None if found is None else found[0], frozenset(), (), _vocab_sizes(model))
 
 
 def set_precision(model: nn.Module, enabled: bool) -> int:
