@@ -219,6 +219,34 @@ def profile_step(step: Callable, tokens: torch.Tensor, device: torch.device, top
     }
 
 
+def cprofile_step(step: Callable, tokens: torch.Tensor, device: torch.device, top: int) -> dict:
+    """One step under cProfile (the GPU idle at its start): where the host's time goes, by
+    Python function, the self time (tottime) and the time under it (cumtime) per step."""
+    import cProfile  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    harness.synchronize(device)
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    step(tokens)
+    profiler.disable()
+    issued = time.perf_counter() - t0
+    harness.synchronize(device)
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+
+    def where(key: tuple) -> str:
+        file, line, func = key
+        return f"{'/'.join(Path(file).parts[-2:])}:{line}:{func}"[-100:]
+
+    def rows(column: int) -> list[dict[str, Any]]:
+        ranked = sorted(stats.items(), key=lambda kv: kv[1][column], reverse=True)[:top]
+        return [{"name": where(k), "calls": v[1], "self_ms": v[2] * 1e3, "cum_ms": v[3] * 1e3}
+                for k, v in ranked]  # fmt: skip
+
+    return {"host_issue_ms": issued * 1e3, "by_self": rows(2), "by_cum": rows(3)}
+
+
 def failure(e: BaseException) -> str:
     """A row's status for an exception; Dynamo and Inductor wrap what they catch, so the
     timeout and out-of-memory are looked for along the chain of causes."""
@@ -268,6 +296,8 @@ def run_case(name: str, spec: ModelSpec, mode: str, recipe: str, args, device) -
         row["host_ms"] = host_ms(step, batches, device)
         if args.profile:
             row["profile"] = profile_step(step, batches[0], device, args.profile_top)
+        if args.cprofile:
+            row["cprofile"] = cprofile_step(step, batches[0], device, args.profile_top)
     except Exception as e:  # a failing recipe must not lose the others' figures
         row["status"] = failure(e)
     finally:
@@ -304,6 +334,12 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
 def print_profiles(rows: list[dict[str, Any]]) -> None:
     for r in rows:
+        host = r.get("cprofile")
+        if host:
+            print(f"\ncprofile {r['model']} {r['mode']} {r['recipe']}: "
+                  f"host issue {host['host_issue_ms']:.1f} ms under cProfile")  # fmt: skip
+            harness.print_table(host["by_self"], ["name", "calls", "self_ms", "cum_ms"])
+            harness.print_table(host["by_cum"], ["name", "calls", "self_ms", "cum_ms"])
         prof = r.get("profile")
         if not prof:
             continue
@@ -337,6 +373,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=0, help="override the layer count")
     parser.add_argument("--compile-timeout", type=float, default=300.0, help="s, 0: none")
     parser.add_argument("--profile", action="store_true", help="profile one step per row")
+    parser.add_argument("--cprofile", action="store_true",
+                        help="one step per row under cProfile: host time by Python function")  # fmt: skip
     parser.add_argument("--profile-top", type=int, default=12)
     parser.add_argument("--inline-triton", action="store_true",
                         help="let AOTAutograd decompose the Triton ops (torch's triton_op "
