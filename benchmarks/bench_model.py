@@ -273,7 +273,9 @@ def run_case(name: str, spec: ModelSpec, mode: str, recipe: str, args, device) -
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=1e-4, fused=device.type == "cuda", foreach=None
         )
-        forward = torch.compile(model) if mode == "compile" else model
+        forward = (
+            torch.compile(model, mode=args.compile_mode) if mode == "compile" else model
+        )
         step = make_step(model, optimizer, forward, device)
         gen = torch.Generator().manual_seed(1)
         shape = (args.batch_size, args.seq_len + 1)
@@ -371,6 +373,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
     parser.add_argument("--layers", type=int, default=0, help="override the layer count")
+    parser.add_argument("--compile-mode", default=None,
+                        help="torch.compile's mode (default: none, plain torch.compile(model)); "
+                        "'reduce-overhead' replays the step's kernels as CUDA graphs")  # fmt: skip
     parser.add_argument("--compile-timeout", type=float, default=300.0, help="s, 0: none")
     parser.add_argument("--profile", action="store_true", help="profile one step per row")
     parser.add_argument("--cprofile", action="store_true",
@@ -417,7 +422,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     record = {"benchmark": "model", "banner": info,
                               "argv": sys.argv[1:] if argv is None else argv,
                               "batch_size": args.batch_size, "seq_len": args.seq_len,
-                              "inline_triton": args.inline_triton, "rows": rows}  # fmt: skip
+                              "inline_triton": args.inline_triton,
+                              "compile_mode": args.compile_mode, "rows": rows}  # fmt: skip
                     harness.write_json(args.out, record)
     add_ratios(rows)
     print_profiles(rows)
