@@ -231,3 +231,39 @@ def test_bench_model_reports_a_compile_that_runs_out_of_time():
                                "--quick", "--compile-timeout", "0.5"])  # fmt: skip
     assert len(rows) == 1 and rows[0]["status"].startswith("compile_timeout"), rows[0]["status"]
     assert "tokens_per_s" not in rows[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8"])
+def test_gpu_plain_compile_of_converted_llama_tracks_eager(name):
+    """Plain torch.compile of a converted Llama on CUDA under BF16 autocast, three AdamW steps.
+    The quantizers and GEMMs are opaque ops that run eager's kernels; Inductor still fuses the
+    model's own BF16 ops (RMSNorm, rotary, SiLU) with other roundings than eager, which is
+    noise BF16 itself shows. So the compiled losses must follow eager's as closely as BF16's
+    compiled losses follow BF16 eager (x10, or 2e-3 relative, the larger): a quantizer that
+    Inductor rewrote, dropped or fed other operands would move them by far more."""
+
+    def losses(recipe_name: str | None, compiled: bool) -> torch.Tensor:
+        torch._dynamo.reset()
+        model = tiny_llama(layers=3).cuda()
+        if recipe_name is not None:
+            bsnn.convert(model, exact(recipe_name), module_filter_fn=bsnn.layer_policy(model))
+        fn = torch.compile(model) if compiled else model
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        out = []
+        for step in range(3):
+            ids = tokens(batch=4, seq=64, seed=step).cuda()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss, _ = loss_and_grads(model, fn, ids)
+            optimizer.step()
+            out.append(loss)
+        return torch.stack(out)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).abs() / b.abs()).max().item()
+
+    noise = rel(losses(None, True), losses(None, False))
+    got = rel(losses(name, True), losses(name, False))
+    assert got <= max(10 * noise, 2e-3), (got, noise)
+    torch._dynamo.reset()
