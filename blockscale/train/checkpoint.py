@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -43,6 +44,8 @@ from blockscale.train.errors import UsageError
 MANIFEST = "manifest.json"
 _ADVICE = "delete that folder to resume from the checkpoint before it"
 FILES = ("model.safetensors", "trainer.safetensors")
+SHARDED = "fsdp"  # the manifest's "format" of a sharded checkpoint
+RANK_FILE = "rank_{}.safetensors"
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
@@ -68,11 +71,11 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _manifest(folder: Path) -> dict:
+def _manifest(folder: Path, names=FILES) -> dict:
     return {
         "files": {
             name: {"bytes": (folder / name).stat().st_size, "sha256": sha256(folder / name)}
-            for name in FILES
+            for name in names
         }
     }
 
@@ -84,12 +87,15 @@ def verify(path: Path) -> bool:
     if not manifest_path.exists():
         return False
     try:
-        listed = json.loads(manifest_path.read_text())["files"]
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        manifest = json.loads(manifest_path.read_text())
+        listed = manifest["files"]
+        # A sharded checkpoint lists its own files (DCP's and one per rank); it needs them all.
+        names = sorted(listed) if manifest.get("format") == SHARDED else FILES
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise UsageError(
             f"checkpoint {path} is corrupt: its {MANIFEST} is unreadable ({e}); {_ADVICE}"
         ) from None
-    for name in FILES:
+    for name in names:
         file, want = path / name, listed.get(name, {})
         if not file.is_file():
             raise UsageError(f"checkpoint {path} is incomplete: {name} is missing; {_ADVICE}")
@@ -143,15 +149,22 @@ def save(
     save_file(tensors, str(tmp / "trainer.safetensors"), metadata=metadata)
     for name in FILES:
         files.fsync_file(tmp / name)
-    # The manifest last: a folder with a manifest has both files whole.
-    files.write_bytes(tmp / MANIFEST, (json.dumps(_manifest(tmp), indent=2) + "\n").encode())
+    return _publish(tmp, _manifest(tmp), keep)
+
+
+def _publish(tmp: Path, manifest: dict, keep: int) -> Path:
+    """Turn the whole, fsynced files in `tmp` into the checkpoint `step_N/`, then prune."""
+    final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+    root = tmp.parent
+    # The manifest last: a folder with a manifest has all its files whole.
+    files.write_bytes(tmp / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
     files.fsync_dir(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     files.fsync_dir(root)
     for stale in root.glob("step_*.tmp"):  # cut short by an earlier crash
         shutil.rmtree(stale, ignore_errors=True)
-    for old in checkpoint_dirs(run_dir)[:-keep] if keep > 0 else []:
+    for old in checkpoint_dirs(root.parent)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -163,9 +176,22 @@ def _corrupt(path: Path, error: Exception, verified: bool) -> UsageError:
 
 
 def load_weights(path: Path, model: torch.nn.Module, verified: bool | None = None) -> None:
-    """Load the model's parameters (checking the manifest first unless `verified` says so)."""
+    """Load the model's parameters (checking the manifest first unless `verified` says so).
+    A sharded checkpoint loads into an unsharded model too (DCP in one process: `eval`)."""
     if verified is None:
         verified = verify(path)
+    if is_sharded(path):
+        import torch.distributed.checkpoint as dcp
+
+        state = model.state_dict()
+        try:
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
+        except Exception as e:  # DCP wraps every rank's error in its own exception type
+            raise _corrupt(path, e, verified) from None
+        model.load_state_dict(state)
+        return
     try:
         missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
@@ -178,8 +204,9 @@ def load_weights(path: Path, model: torch.nn.Module, verified: bool | None = Non
 
 def run_identity(path: Path) -> dict | None:
     """The fields that define the run that wrote the checkpoint (None: it predates them)."""
+    trainer = RANK_FILE.format(0) if is_sharded(path) else "trainer.safetensors"
     try:
-        with safe_open(str(path / "trainer.safetensors"), "pt") as f:
+        with safe_open(str(path / trainer), "pt") as f:
             recorded = f.metadata().get("run")
     except (SafetensorError, OSError) as e:
         raise _corrupt(path, e, False) from None
@@ -231,3 +258,127 @@ def load(
     if "rng.cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng.cuda"])
     return step, meta
+
+
+# --------------------------------------------------------------------------- sharded (--fsdp)
+#
+# A --fsdp run's checkpoint: the model and AdamW state as torch.distributed.checkpoint (DCP)
+# writes them, each rank its own shards (`__R_0.distcp`, `.metadata`), by fully qualified
+# parameter name with global shapes and offsets, so they load onto any number of ranks (DCP
+# reshards on load). Beside them one `rank_R.safetensors` per rank: its random stream (RNG
+# states) and its loop sums; rank 0's also records the step, the fields that define the run and
+# the number of ranks. Crash safety as above: every rank writes into `step_N.tmp/`, then after a
+# barrier rank 0 fsyncs every file, writes the manifest (every file's size and SHA-256, and
+# "format": "fsdp"), renames the folder and prunes.
+
+
+def is_sharded(path: Path) -> bool:
+    """Whether a checkpoint was written by a --fsdp run (DCP shards, not safetensors)."""
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("format") == SHARDED
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return (path / ".metadata").exists()
+
+
+def save_sharded(
+    run_dir: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer,
+    meta: dict,
+    keep: int,
+    run: dict,
+    ranks,
+    device: torch.device,
+) -> Path:
+    """Every rank: write the checkpoint of `step` of a sharded model (collective); `meta` is
+    this rank's loop state. Returns the checkpoint's folder."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = Path(run_dir) / "checkpoints"
+    tmp = root / f"step_{step:06d}.tmp"
+
+    def start() -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+
+    ranks.on_main(start, device)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, storage_writer=dcp.FileSystemWriter(tmp))
+    tensors = {"rng.cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
+    metadata = {"step": str(step), "meta": json.dumps(meta)}
+    if ranks.main:
+        metadata.update(run=json.dumps(run, sort_keys=True), world_size=str(ranks.world_size))
+    own = tmp / RANK_FILE.format(ranks.rank)
+    save_file(tensors, str(own), metadata=metadata)
+    files.fsync_file(own)
+    ranks.barrier()  # every rank's files are whole before rank 0 lists them
+
+    def publish() -> Path:
+        names = sorted(p.name for p in tmp.iterdir() if p.is_file())
+        for name in names:  # DCP fsynced its files (sync_files); a clean file costs nothing
+            files.fsync_file(tmp / name)
+        manifest = {"format": SHARDED, "world_size": ranks.world_size, **_manifest(tmp, names)}
+        return _publish(tmp, manifest, keep)
+
+    ranks.on_main(publish, device)
+    return tmp.with_name(tmp.name.removesuffix(".tmp"))
+
+
+def _rank_files(path: Path, verified: bool) -> list[tuple[dict, str]]:
+    """(metadata, file name) of every rank that wrote the checkpoint, rank 0 first."""
+    try:
+        with safe_open(str(path / RANK_FILE.format(0)), "pt") as f:
+            world = int(f.metadata()["world_size"])
+        found = []
+        for r in range(world):
+            with safe_open(str(path / RANK_FILE.format(r)), "pt") as f:
+                found.append((f.metadata(), RANK_FILE.format(r)))
+        return found
+    except (SafetensorError, OSError, KeyError, ValueError) as e:
+        raise _corrupt(path, e, verified) from None
+
+
+def load_sharded(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer,
+    run: dict,
+    ranks,
+    device: torch.device,
+    seed: int,
+) -> tuple[int, list[dict]]:
+    """Every rank: restore a sharded model and its optimizer from a sharded checkpoint, written
+    on any number of ranks, and this rank's random stream (a rank the checkpoint has none for
+    is seeded from (seed, rank, step)). Returns (step, the loop state of every rank that wrote
+    it, rank 0 first)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from blockscale.train.ranks import seed_stream
+
+    def check() -> bool:
+        verified = verify(path)
+        check_run(path, run)
+        return verified
+
+    verified = ranks.on_main(check, device)
+    written = _rank_files(path, verified)
+    step = int(written[0][0]["step"])
+    model_state, optim_state = get_state_dict(model, optimizer)
+    try:
+        dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    except Exception as e:  # DCP wraps every rank's error in its own exception type
+        raise _corrupt(path, e, verified) from None
+    if ranks.rank < len(written):
+        rng = load_file(str(path / written[ranks.rank][1]))
+        torch.set_rng_state(rng["rng.cpu"])
+        if "rng.cuda" in rng and device.type == "cuda":
+            torch.cuda.set_rng_state(rng["rng.cuda"], device)
+    else:
+        seed_stream(seed, ranks.rank, step)
+    return step, [json.loads(m["meta"]) for m, _ in written]
