@@ -5,6 +5,9 @@ Every `TrainConfig` field is a flag of `train` and `compare` (see blockscale/tra
 recipe, a model too large for the device, a corrupt checkpoint, a resume that does not match its
 run) ends with one line on stderr and exit status 2; a run that stopped early (Ctrl-C,
 `--max-minutes`) exits with 3: run the same command (train: with `--resume`) to continue it.
+
+`torchrun --nproc-per-node N -m blockscale train --fsdp ...` trains one run over N ranks
+(blockscale/train/ranks.py, docs/DISTRIBUTED.md): rank 0 alone prints and writes the run.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -49,11 +53,37 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _main_rank() -> bool:
+    """Not one of ranks 1.. of a torchrun launch (those stay silent: rank 0 speaks for all)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _fsdp_defaults(overrides: dict, resume: bool) -> None:
+    """A new --fsdp run's defaults: one micro-batch per rank and step (the global batch is
+    --batch-size x the number of ranks), no numerics probe (not run under --fsdp yet)."""
+    if not resume:
+        overrides.setdefault("grad_accum", int(os.environ["WORLD_SIZE"]))
+        overrides.setdefault("telemetry_every", 0)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from blockscale.train.loop import saved_config, train
+    from blockscale.train.ranks import launched, leave
 
     overrides = overrides_from_args(args)
     _out_dir(args.out)
+    if args.fsdp:
+        if not launched():
+            raise UsageError(
+                "--fsdp needs one process per rank, started by torchrun: torchrun "
+                "--nproc-per-node N -m blockscale train --fsdp ... (WORLD_SIZE is not set)"
+            )
+        _fsdp_defaults(overrides, args.resume)
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError(
+            f"this process is one of WORLD_SIZE={os.environ['WORLD_SIZE']} ranks; pass --fsdp to "
+            "train one run over them (without it every rank would train and write the same run)"
+        )
     if args.resume:
         if args.out is None:
             raise UsageError("--resume needs --out DIR, the run to continue")
@@ -61,10 +91,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(saved_config(Path(args.out)), **overrides)
     else:
         cfg = TrainConfig(**overrides)
+    if args.fsdp and args.out is None:
+        raise UsageError("--fsdp needs --out DIR: every rank must name the same run directory")
     out = Path(args.out or f"runs/{cfg.model}-{cfg.recipe}-{_timestamp()}")
-    summary = train(cfg, out, resume=args.resume, progress=not args.quiet)
-    print(json.dumps({k: v for k, v in summary.items() if k != "recipe_detail"}))
-    print(f"run directory: {out}")
+    summary = train(cfg, out, resume=args.resume, progress=not args.quiet, fsdp=args.fsdp)
+    if args.fsdp:
+        leave()
+    if _main_rank():
+        print(json.dumps({k: v for k, v in summary.items() if k != "recipe_detail"}))
+        print(f"run directory: {out}")
     return {"done": 0, "diverged": 1}.get(summary["status"], STOPPED)
 
 
@@ -132,6 +167,12 @@ def parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue the run in --out from its last checkpoint"
     )
     train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="one rank of a torchrun launch: shard the model with FSDP2 over the ranks "
+        "(torchrun --nproc-per-node N -m blockscale train --fsdp --out DIR ...)",
+    )
     add_config_flags(train)
     train.set_defaults(func=cmd_train)
 
@@ -194,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UsageError as e:
-        print(f"blockscale {args.command}: error: {e}", file=sys.stderr)
+        if _main_rank():
+            print(f"blockscale {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"blockscale {args.command}: interrupted", file=sys.stderr)

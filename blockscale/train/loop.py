@@ -24,6 +24,12 @@ rows past s and then writes them again: the metrics of an interrupted run end up
 uninterrupted one's. SIGINT/SIGTERM (Ctrl-C) finish the current step, checkpoint and stop; a
 second Ctrl-C stops at once. `max_minutes` stops the same way, for machines that lend time in
 slices: rerun with `--resume` to continue.
+
+`train(..., fsdp=True)` is one rank of a torchrun launch (train/ranks.py): the same loop over
+an FSDP2-sharded model, each rank running its share of every step's micro-batches; losses are
+summed over the ranks before a row is written, every rank evaluates (the sharded forward needs
+them all), rank 0 alone writes rows and files, and checkpoints are sharded (checkpoint.py).
+Stopping (a signal, `max_minutes`) is agreed by all ranks at every step.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from blockscale.train.config import RESUMABLE, TrainConfig, differences, identit
 from blockscale.train.data import Batches, load_corpus
 from blockscale.train.errors import UsageError
 from blockscale.train.evaluate import evaluate
+from blockscale.train.ranks import Ranks, check_batch, full, join, seed_stream, shard
 
 try:
     from tqdm.auto import tqdm
@@ -58,22 +65,24 @@ except ImportError:  # tqdm is a dependency, but a bare GPU image may lack it
 class Metrics:
     """Append-only JSONL, one row per line. A crash can tear only the last line (the one being
     appended); readers drop it, and `truncate_after(step)` rewrites the file without it and
-    without the rows past a checkpoint, atomically (a crash leaves the old file or the new)."""
+    without the rows past a checkpoint, atomically (a crash leaves the old file or the new).
+    `enabled` False (ranks other than 0 of a --fsdp run): writes nothing."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, enabled: bool = True) -> None:
+        self.path, self.enabled = path, enabled
 
     def truncate_after(self, step: int) -> None:
-        if self.path.exists():
+        if self.enabled and self.path.exists():
             kept = [row for row in parse_metrics(self.path) if row.get("step", 0) <= step]
             files.write_atomic(self.path, "".join(json.dumps(row) + "\n" for row in kept))
 
     def write(self, row: dict) -> None:
-        files.append_line(self.path, json.dumps(row))
+        if self.enabled:
+            files.append_line(self.path, json.dumps(row))
 
     def sync(self) -> None:
         """Make the rows so far durable (before a checkpoint that counts on them)."""
-        if self.path.exists():
+        if self.enabled and self.path.exists():
             files.fsync_file(self.path)
 
 
@@ -158,11 +167,38 @@ def check_resumable(cfg: TrainConfig, run_dir: Path) -> None:
         )
 
 
-def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool = True) -> dict:
+def _carried_over(written: list[dict], ranks: Ranks) -> dict:
+    """This rank's part of the loop state (sums since the last metrics row) of a sharded
+    checkpoint written by `len(written)` ranks: its own on as many ranks; on another number,
+    rank 0 takes the sums of all and the others start from zero (the row's mean is the same
+    up to the order of additions)."""
+    if len(written) == ranks.world_size:
+        return written[ranks.rank]
+    mine = written if ranks.main else []
+    out = {"loss_sum": sum(m["loss_sum"] for m in mine), "loss_steps": written[0]["loss_steps"]}
+    if "aux_sum" in written[0]:
+        out["aux_sum"] = sum(m["aux_sum"] for m in mine)
+        tokens = torch.tensor([m["expert_tokens"] for m in written], dtype=torch.int64)
+        out["expert_tokens"] = (tokens.sum(0) if mine else tokens[0] * 0).tolist()
+    return out
+
+
+def train(
+    cfg: TrainConfig,
+    run_dir: Path,
+    resume: bool = False,
+    progress: bool = True,
+    fsdp: bool = False,
+) -> dict:
     """Train (or continue training) the run in `run_dir`; returns its summary.
 
     Nothing in `run_dir` is written until the run is built and, when resuming, its checkpoint
-    has loaded: a resume that fails leaves the run as it was."""
+    has loaded: a resume that fails leaves the run as it was.
+
+    fsdp: this process is one rank of a torchrun launch (train/ranks.py): it joins the default
+    process group (which stays initialized on return), trains its share of each step on the
+    FSDP2-sharded model and writes its part of the sharded checkpoints; rank 0 alone prints
+    and writes the run's files, and other ranks return only {"status": ...}."""
     run_dir = Path(run_dir)
     metrics = Metrics(run_dir / "metrics.jsonl")
     if resume:
@@ -173,9 +209,29 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
         raise UsageError(
             f"{run_dir} already holds a run; pass --resume to continue it, or choose another --out"
         )
-    device = build.resolve_device(cfg.device)
+    if fsdp:
+        if cfg.telemetry_every:
+            raise UsageError(
+                f"telemetry_every={cfg.telemetry_every}: the numerics probe does not run under "
+                "--fsdp yet (docs/DISTRIBUTED.md); pass --telemetry-every 0"
+            )
+        ranks, device = join(cfg.device)
+        check_batch(cfg.grad_accum, ranks)
+    else:
+        ranks, device = Ranks(), build.resolve_device(cfg.device)
+    metrics.enabled = ranks.main
     corpus = load_corpus(cfg.data, cfg.max_data_bytes)
     model, recipe = build.build_model(cfg, device)
+    if ranks.sharded:
+        # The precision schedule switches layers to BF16, which a quantized all-gather cannot
+        # follow (its layout is fixed at the first gather): such runs gather FP32 weights. One
+        # rank gathers nothing, and FSDP2 (torch 2.13) on one rank hands the post-gather hook
+        # only the first of its inputs, so one rank keeps plain weights too (the same numbers:
+        # each layer quantizes its whole FP32 weight itself).
+        quantized_gather = recipe.quantized and cfg.bf16_final_fraction == 0
+        shard(model, quantized_gather and ranks.world_size > 1, device)
+        if not ranks.main:  # rank 0 continues the stream of initialization, as one process
+            seed_stream(cfg.seed, ranks.rank, 0)
     seq_len = model.config.seq_len
     batches = Batches(corpus.train, seq_len, cfg.batch_size, cfg.seed)
     optimizer = build.build_optimizer(model, cfg, device)
@@ -183,14 +239,34 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     start, partial = 0, {"loss_sum": 0.0, "loss_steps": 0}
     ckpts = checkpoint.checkpoint_dirs(run_dir)
     if resume and ckpts:
-        start, partial = checkpoint.load(ckpts[-1], model, optimizer, run=identity(cfg))
-    with files.reported(run_dir):
-        run_dir.mkdir(parents=True, exist_ok=True)
-        # First, since it can still refuse (a damaged row before the last): a fresh start keeps
-        # no rows, a resumed run those up to its checkpoint.
-        metrics.truncate_after(start if start else -1)
-        cfg.save(run_dir / "config.json")
-        (run_dir / "summary.json").unlink(missing_ok=True)
+        latest = ckpts[-1]
+        if checkpoint.is_sharded(latest) != ranks.sharded:
+            raise UsageError(
+                f"checkpoint {latest} was written by a --fsdp run; resume it with torchrun "
+                "--nproc-per-node N -m blockscale train --fsdp --resume"
+                if not ranks.sharded
+                else f"checkpoint {latest} was written by one process, and a one-process "
+                "checkpoint does not load into a sharded model yet; resume it without --fsdp"
+            )
+        if ranks.sharded:
+            start, written = checkpoint.load_sharded(
+                latest, model, optimizer, identity(cfg), ranks, device, cfg.seed
+            )
+            partial = _carried_over(written, ranks)
+        else:
+            start, partial = checkpoint.load(latest, model, optimizer, run=identity(cfg))
+
+    def prepare() -> None:
+        with files.reported(run_dir):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            # First, since it can still refuse (a damaged row before the last): a fresh start
+            # keeps no rows, a resumed run those up to its checkpoint.
+            metrics.truncate_after(start if start else -1)
+            cfg.save(run_dir / "config.json")
+            (run_dir / "summary.json").unlink(missing_ok=True)
+
+    ranks.barrier()  # every rank has checked the run directory before rank 0 writes into it
+    ranks.on_main(prepare, device)
 
     # Inductor's default fast math (approximate division, dropped BF16 round trips, FMA) would
     # move quantization codes; these options keep eager's numerics, for every recipe alike.
@@ -213,15 +289,20 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
 
     n_params = sum(p.numel() for p in model.parameters())
     bar = None
-    if progress and tqdm is not None:
+    if progress and ranks.main and tqdm is not None:
         bar = tqdm(
             total=cfg.steps, initial=start, unit="step", dynamic_ncols=True, desc=recipe.name
         )
-    _say(
+
+    def say(message: str) -> None:
+        if ranks.main:
+            _say(message, bar)
+
+    where = f"{ranks.world_size} rank(s) ({device.type}, FSDP2)" if ranks.sharded else str(device)
+    say(
         f"{run_dir}: model {cfg.model} ({n_params / 1e6:.2f}M params), recipe {recipe.name}, "
-        f"{device}, {cfg.steps} steps of {tokens_per_step} tokens"
-        + (f", resuming at step {start}" if start else ""),
-        bar,
+        f"{where}, {cfg.steps} steps of {tokens_per_step} tokens"
+        + (f", resuming at step {start}" if start else "")
     )
     if start == 0:
         run_telemetry(0)
@@ -259,7 +340,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                 lr = build.lr_at(cfg, step)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
-                for micro in range(cfg.grad_accum):
+                for micro in ranks.micro_batches(cfg.grad_accum):
                     x, y = batches.get(step, micro)
                     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                     with autocast():
@@ -271,7 +352,9 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                         loss = ce + cfg.aux_loss_coef * aux
                         aux_sum += aux.detach()
                         expert_tokens += torch.stack([m.tokens_per_expert for m in routed.values()])
-                    loss.backward()
+                    # FSDP averages the ranks' gradients: a rank's loss counts world_size
+                    # times, so the step's gradient is the mean over all the micro-batches.
+                    (loss * ranks.world_size if ranks.world_size > 1 else loss).backward()
                     loss_sum += ce.detach()
                 clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -285,7 +368,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                     bar.update(1)
 
                 if done % cfg.log_every == 0 or last:
-                    mean_loss = (loss_sum / loss_steps).item()  # synchronizes the device
+                    # The mean over all ranks' micro-batches; synchronizes the device.
+                    mean_loss = (ranks.sum(loss_sum) / loss_steps).item()
                     now = time.perf_counter()
                     seconds = max(now - clock - excluded, 1e-9)
                     row = {
@@ -293,7 +377,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                         "step": done,
                         "loss": mean_loss,
                         "lr": lr,
-                        "grad_norm": grad_norm.item(),
+                        "grad_norm": full(grad_norm).item(),
                         "tokens": done * tokens_per_step,
                         "tokens_per_s": timed_steps * tokens_per_step / seconds,
                         "time": round(time.time(), 3),
@@ -301,8 +385,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                     if memory.enabled:
                         row["peak_gib"] = memory.training()
                     if routed:
-                        row["aux_loss"] = (aux_sum / loss_steps).item()
-                        row["expert_tokens"] = dict(zip(routed, expert_tokens.tolist()))
+                        row["aux_loss"] = (ranks.sum(aux_sum) / loss_steps).item()
+                        row["expert_tokens"] = dict(zip(routed, ranks.sum(expert_tokens).tolist()))
                         aux_sum.zero_()
                         expert_tokens.zero_()
                     metrics.write(row)
@@ -314,7 +398,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                     loss_steps, timed_steps, clock, excluded = 0, 0, now, 0.0
                     if not math.isfinite(mean_loss):
                         status = "diverged"
-                        _say(f"step {done}: loss is {mean_loss}; stopping (the run diverged)", bar)
+                        say(f"step {done}: loss is {mean_loss}; stopping (the run diverged)")
                         break
                 t0 = time.perf_counter()
                 memory.training()  # what the steps so far used, before evaluation and probes
@@ -326,39 +410,50 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                     if memory.enabled:
                         result["peak_gib"] = memory.since_restart()
                     metrics.write({"kind": "eval", "step": done, **result})
-                    _say(
-                        f"step {done}: val loss {result['val_loss']:.4f}, {result['val_bpb']:.3f} bits/byte",
-                        bar,
+                    say(
+                        f"step {done}: val loss {result['val_loss']:.4f}, {result['val_bpb']:.3f} bits/byte"
                     )
                 if cfg.telemetry_every and (done % cfg.telemetry_every == 0 or last):
                     run_telemetry(done)
                 out_of_time = (
                     cfg.max_minutes > 0 and (time.perf_counter() - started) / 60 > cfg.max_minutes
                 )
+                # Every rank stops at the same step (each checkpoints with the others).
+                stopping, out_of_time = ranks.any(stop.requested, out_of_time, device=device)
                 if (
                     last
-                    or stop.requested
+                    or stopping
                     or out_of_time
                     or (cfg.ckpt_every and done % cfg.ckpt_every == 0)
                 ):
                     metrics.sync()  # the rows up to `done` are on disk before its checkpoint
-                    checkpoint.save(
-                        run_dir,
-                        done,
-                        model,
-                        optimizer,
-                        carried(),
-                        cfg.keep_checkpoints,
-                        run=identity(cfg),
-                    )
+                    if ranks.sharded:
+                        checkpoint.save_sharded(
+                            run_dir,
+                            done,
+                            model,
+                            optimizer,
+                            carried(),
+                            cfg.keep_checkpoints,
+                            identity(cfg),
+                            ranks,
+                            device,
+                        )
+                    else:
+                        checkpoint.save(
+                            run_dir,
+                            done,
+                            model,
+                            optimizer,
+                            carried(),
+                            cfg.keep_checkpoints,
+                            run=identity(cfg),
+                        )
                 memory.restart()  # the next steps' peak starts here
                 excluded += time.perf_counter() - t0
-                if (stop.requested or out_of_time) and not last:
-                    status = "interrupted" if stop.requested else "paused"
-                    _say(
-                        f"stopped at step {done} ({status}); rerun to continue (train: --resume)",
-                        bar,
-                    )
+                if (stopping or out_of_time) and not last:
+                    status = "interrupted" if stopping else "paused"
+                    say(f"stopped at step {done} ({status}); rerun to continue (train: --resume)")
                     break
     except OSError as e:  # a metrics row or a checkpoint could not be written
         raise files.write_failure(run_dir, e) from None
@@ -370,7 +465,11 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     finally:
         if bar is not None:
             bar.close()
+    if not ranks.main:
+        return {"status": status}
     summary = summarize(run_dir, cfg, recipe, status, n_params, device, reached, tokens_per_step)
+    if ranks.sharded:
+        summary["ranks"] = ranks.world_size
     with files.reported(run_dir):
         files.write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
