@@ -175,9 +175,10 @@ def _carried_over(written: list[dict], ranks: Ranks) -> dict:
     if len(written) == ranks.world_size:
         return written[ranks.rank]
     mine = written if ranks.main else []
-    out = {"loss_sum": sum(m["loss_sum"] for m in mine), "loss_steps": written[0]["loss_steps"]}
+    out = {"loss_sum": sum((m["loss_sum"] for m in mine), 0.0)}  # 0.0: a float tensor
+    out["loss_steps"] = written[0]["loss_steps"]
     if "aux_sum" in written[0]:
-        out["aux_sum"] = sum(m["aux_sum"] for m in mine)
+        out["aux_sum"] = sum((m["aux_sum"] for m in mine), 0.0)
         tokens = torch.tensor([m["expert_tokens"] for m in written], dtype=torch.int64)
         out["expert_tokens"] = (tokens.sum(0) if mine else tokens[0] * 0).tolist()
     return out
