@@ -167,7 +167,11 @@ class MoE(nn.Module):
         expert_ids, order = chosen.flatten().sort(stable=True)
         experts = torch.arange(self.n_experts, device=x.device, dtype=expert_ids.dtype)
         offs = torch.searchsorted(expert_ids, experts, right=True, out_int32=True)
-        out_sorted = self.experts(x[order // k], offs)
+        # In the grouped GEMM's dtype already (the experts would cast them), so that rows which
+        # run_experts sends between ranks travel in it.
+        x_sorted = x[order // k]
+        x_sorted = x_sorted.to(_grouped_dtype(x_sorted, self.experts.gate_up_proj))
+        out_sorted = self.run_experts(x_sorted, offs)
         # Back to assignment order (a permutation: no two rows collide), then the weighted sum
         # of each token's k expert outputs, in FP32.
         out = torch.zeros_like(out_sorted).index_copy(0, order, out_sorted)
@@ -177,10 +181,26 @@ class MoE(nn.Module):
             out = out + self.shared_expert(x)
 
         counts = torch.diff(offs, prepend=offs.new_zeros(1)).long()
-        share = counts.float() / (n_tokens * k)
+        probs, counts = self.routing_totals(probs, counts)
+        share = counts.float() / (probs.shape[0] * k)
         self.aux_loss = self.n_experts * (share * probs.mean(dim=0)).sum()
         self.tokens_per_expert = counts
         return out.view(*shape[:-1], out.shape[-1])
+
+    # The two steps below are seams: a wrapper applied from outside (expert parallelism,
+    # blockscale/distributed/ep.py) replaces them; this file stays single-device.
+
+    def run_experts(self, x_sorted: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """The routed experts on the assignments sorted by expert (offs int32 [E]: each
+        expert's end row); the outputs in the same order."""
+        return self.experts(x_sorted, offs)
+
+    def routing_totals(
+        self, probs: torch.Tensor, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router probabilities [N, E] and assignments per expert [E] that the
+        load-balancing loss and `tokens_per_expert` are computed from: this layer's own."""
+        return probs, counts
 
 
 class MoEBlock(nn.Module):
