@@ -6,12 +6,16 @@
 - `cast_master_weights_to_nvfp4(...)`: ZeRO-style flat FP32 master shards cast into NVFP4
   primary weights (`to_nvfp4_primary_weights`), bit-identical to a one-rank cast for any
   slice boundaries (master_cast.py).
+- `enable_expert_parallel(model, group)`: each rank keeps E/W of every MoE layer's experts;
+  tokens reach them and come back by all-to-all, and the outputs, the load-balancing loss and
+  the expert gradients equal one process's on the group's whole batch (ep.py).
 - `QuantizedWeight`: a weight made of quantized copies, which `blockscale.linear` uses as they
   are (weight.py).
 
 docs/DISTRIBUTED.md describes the mechanisms, the shard rules and what is not done yet.
 """
 
+from blockscale.distributed.ep import ExpertShard, enable_expert_parallel
 from blockscale.distributed.fsdp import ShardedWeight, enable_quantized_all_gather
 from blockscale.distributed.master_cast import (
     cast_master_weights_to_nvfp4,
@@ -20,9 +24,11 @@ from blockscale.distributed.master_cast import (
 from blockscale.distributed.weight import QuantizedWeight
 
 __all__ = [
+    "ExpertShard",
     "QuantizedWeight",
     "ShardedWeight",
     "cast_master_weights_to_nvfp4",
+    "enable_expert_parallel",
     "enable_quantized_all_gather",
     "to_nvfp4_primary_weights",
 ]
