@@ -40,6 +40,13 @@ step bit for bit. Under torch.compile the draws come from Inductor's generator: 
 under a seed, but not the eager bits (set `torch._inductor.config.fallback_random = True` for
 those).
 
+Tensor parallel: `linear(..., amax_reduction=AmaxReduction(reduce, input=..., weight=...,
+grad_output=...))` says which operands are shards of logically whole tensors; the NVFP4
+amaxes of those operands' copies are computed locally, reduced by `reduce` (one collective per
+forward, one per backward) and handed to the quantizers, so each shard is quantized exactly
+as its part of the whole tensor (blockscale.distributed.tp builds this for DTensor plans).
+A DTensor input or weight raises: the quantizers and GEMMs here take local tensors.
+
 torch.compile: everything here traces with fullgraph=True. Inductor relaxes by default what
 the quantizers and the GEMM epilogue depend on (FP32 division is lowered to an approximate
 instruction in Triton, BF16 round trips between fused ops are dropped, `acc * alpha + bias`
@@ -49,6 +56,9 @@ may become one FMA); `EXACT_INDUCTOR_OPTIONS` restores eager's numerics:
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,11 +69,13 @@ from blockscale.ops.quantize import (
     HighPrecisionTensor,
     QuantizedOperand,
     load_operand,
+    operand_amax,
     quantize_operand,
     quantize_rows_and_tokens,
+    rows_and_tokens_amax,
     save_operand,
 )
-from blockscale.recipes import OperandConfig, Recipe
+from blockscale.recipes import Format, OperandConfig, Recipe
 
 Operand = QuantizedOperand | Transposed
 
@@ -114,14 +126,57 @@ def _mm(
 
 
 def weight_operand(
-    weight: torch.Tensor, config: OperandConfig, transpose: bool = False, dq: bool = False
+    weight: torch.Tensor,
+    config: OperandConfig,
+    transpose: bool = False,
+    dq: bool = False,
+    amax: torch.Tensor | None = None,
 ) -> QuantizedOperand:
-    """The weight quantized per `config`. A weight that arrives already quantized (one that
-    blockscale.distributed all-gathered as NVFP4/MXFP8, or NVFP4 primary weights) has a
-    `quantized_copy` method and hands over the copy it holds instead."""
-    if hasattr(type(weight), "quantized_copy"):
+    """The weight quantized per `config` (NVFP4 with `amax`, if given). A weight that arrives
+    already quantized (one that blockscale.distributed all-gathered as NVFP4/MXFP8, or NVFP4
+    primary weights) has a `quantized_copy` method and hands over the copy it holds instead."""
+    if _is_quantized(weight):
         return weight.quantized_copy(config, transpose)  # type: ignore[attr-defined]
-    return quantize_operand(weight, config, transpose=transpose, dq=dq)
+    if config.format is not Format.NVFP4:
+        amax = None
+    return quantize_operand(weight, config, transpose=transpose, dq=dq, amax=amax)
+
+
+def _is_quantized(weight: torch.Tensor) -> bool:
+    return hasattr(type(weight), "quantized_copy")
+
+
+@dataclass(frozen=True)
+class AmaxReduction:
+    """Which operands of a linear are shards of a logically whole tensor, and the collective
+    that makes their NVFP4 tensor amaxes whole (tensor parallel: blockscale.distributed.tp).
+
+    `reduce(t)`: the elementwise max of the FP32 vector `t` over the ranks that hold the other
+    shards, the same result on each (NaN anywhere gives NaN). `input`: the input is sharded
+    along K (a row-wise layer); `weight`: the weight is a shard (along N or K);
+    `grad_output`: grad_output is sharded along N (a column-wise layer). For each, the
+    amaxes its copies would take from the local tensor are reduced first (one collective for
+    the forward's, one for the backward's; none when no operand is NVFP4), so every rank
+    scales with the amax of the whole tensor. With shards that hold whole blocks, the codes
+    and block scales are then exactly the whole tensor's. A Hadamard token copy's amax is the
+    max over per-column transforms (tokens are not sharded), so it reduces the same way.
+    """
+
+    reduce: Callable[[torch.Tensor], torch.Tensor]
+    input: bool = False
+    weight: bool = False
+    grad_output: bool = False
+
+
+def _reduced(
+    reduction: AmaxReduction, amaxes: list[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    """The local amaxes (None where an operand has none) reduced in one collective."""
+    present = [a.float().reshape(()) for a in amaxes if a is not None]
+    if not present:
+        return amaxes
+    whole = iter(reduction.reduce(torch.stack(present)).unbind(0))
+    return [None if a is None else next(whole) for a in amaxes]
 
 
 class _Linear(torch.autograd.Function):
@@ -134,28 +189,49 @@ class _Linear(torch.autograd.Function):
         recipe: Recipe,
         backend: Backend,
         out_dtype: torch.dtype,
+        sharded: AmaxReduction | None,
     ) -> torch.Tensor:
         lead, k = input.shape[:-1], input.shape[-1]
         x = input.reshape(-1, k)
         with torch.autocast(input.device.type, enabled=False):
             wgrad_cfg = recipe.grad_weight.input_t if ctx.needs_input_grad[1] else None
-            x_lp, input_t = quantize_rows_and_tokens(x, recipe.output.input, wgrad_cfg)
-            w_lp = weight_operand(weight, recipe.output.weight, dq=True)
+            dgrad_cfg = recipe.grad_input.weight
+            dgrad_copy = ctx.needs_input_grad[0] and not (
+                dgrad_cfg.block == "16x16" and dgrad_cfg == recipe.output.weight
+            )
+            x_amax = tokens_amax = w_amax = None
+            if sharded is not None:
+                local: list[torch.Tensor | None] = [None, None, None]
+                if sharded.input:
+                    local[:2] = rows_and_tokens_amax(x, recipe.output.input, wgrad_cfg)
+                if sharded.weight and not _is_quantized(weight):
+                    # Both weight copies scale with max |w|: a recipe puts no Hadamard
+                    # transform on a weight.
+                    configs = [recipe.output.weight] + ([dgrad_cfg] if dgrad_copy else [])
+                    nvfp4 = [c for c in configs if c.format is Format.NVFP4]
+                    local[2] = operand_amax(weight, nvfp4[0]) if nvfp4 else None
+                x_amax, tokens_amax, w_amax = _reduced(sharded, local)
+            x_lp, input_t = quantize_rows_and_tokens(
+                x, recipe.output.input, wgrad_cfg, row_amax=x_amax, tokens_amax=tokens_amax
+            )
+            w_lp = weight_operand(weight, recipe.output.weight, dq=True, amax=w_amax)
             out = _mm(x_lp, w_lp, out_dtype, out_dtype, backend, bias)
 
             weight_for_dgrad: Operand | None = None
             if ctx.needs_input_grad[0]:
-                dgrad_cfg = recipe.grad_input.weight
-                if dgrad_cfg.block == "16x16" and dgrad_cfg == recipe.output.weight:
-                    weight_for_dgrad = Transposed(w_lp)  # type: ignore[arg-type]
+                if dgrad_copy:
+                    weight_for_dgrad = weight_operand(
+                        weight, dgrad_cfg, transpose=True, amax=w_amax
+                    )
                 else:
-                    weight_for_dgrad = weight_operand(weight, dgrad_cfg, transpose=True)
+                    weight_for_dgrad = Transposed(w_lp)  # type: ignore[arg-type]
 
         w_tensors, ctx.weight_meta = save_operand(weight_for_dgrad)
         x_tensors, ctx.input_meta = save_operand(input_t)
         ctx.n_weight_tensors = len(w_tensors)
         ctx.save_for_backward(*w_tensors, *x_tensors)
         ctx.recipe, ctx.backend, ctx.compute_dtype = recipe, backend, out_dtype
+        ctx.sharded = sharded
         ctx.input_shape, ctx.input_dtype, ctx.weight_dtype = input.shape, input.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out.reshape(*lead, out.shape[-1])
@@ -168,11 +244,15 @@ class _Linear(torch.autograd.Function):
         go = grad_output.reshape(-1, grad_output.shape[-1])
         grad_input = grad_weight = grad_bias = None
         with torch.autocast(go.device.type, enabled=False):
+            row_cfg = recipe.grad_input.grad_output if ctx.needs_input_grad[0] else None
+            tokens_cfg = recipe.grad_weight.grad_output_t if ctx.needs_input_grad[1] else None
+            go_amax = tokens_amax = None
+            sharded: AmaxReduction | None = ctx.sharded
+            if sharded is not None and sharded.grad_output:
+                local = list(rows_and_tokens_amax(go, row_cfg, tokens_cfg))
+                go_amax, tokens_amax = _reduced(sharded, local)
             go_lp, go_t = quantize_rows_and_tokens(
-                go,
-                recipe.grad_input.grad_output if ctx.needs_input_grad[0] else None,
-                recipe.grad_weight.grad_output_t if ctx.needs_input_grad[1] else None,
-                tokens_dq=True,
+                go, row_cfg, tokens_cfg, tokens_dq=True, row_amax=go_amax, tokens_amax=tokens_amax
             )
             if ctx.needs_input_grad[0]:
                 weight_t = load_operand(saved[:n], ctx.weight_meta)
@@ -186,7 +266,13 @@ class _Linear(torch.autograd.Function):
                 grad_weight = _mm(go_t, input_t, ctx.weight_dtype, ctx.compute_dtype, ctx.backend)
             if ctx.needs_input_grad[2]:
                 grad_bias = go.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    # Without importing torch.distributed.tensor (half a second): no DTensor exists before.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def output_dtype(input: torch.Tensor) -> torch.dtype:
@@ -198,17 +284,32 @@ def output_dtype(input: torch.Tensor) -> torch.dtype:
 
 
 def linear(
-    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    recipe: Recipe,
+    *,
+    amax_reduction: AmaxReduction | None = None,
 ) -> torch.Tensor:
     """input @ weight.T + bias with the three GEMMs quantized as `recipe` says.
 
     input [..., K], weight [N, K], bias [N] or None. A recipe that quantizes nothing (bf16) is
     exactly `F.linear`. Raises ValueError when K or N does not fit the recipe's blocks.
+    `amax_reduction`: input, weight or grad_output are shards of whole tensors (tensor
+    parallel; see `AmaxReduction`); None: every operand is whole.
     """
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a blockscale Recipe, got {type(recipe).__name__}")
     if not recipe.quantized:
         return F.linear(input, weight, bias)
+    for name, t in (("input", input), ("weight", weight)):
+        if _is_dtensor(t):
+            raise TypeError(
+                f"blockscale.linear got a DTensor {name}: quantized layers compute on local "
+                "tensors; for tensor parallel, use blockscale.distributed."
+                "QuantizedColwiseParallel / QuantizedRowwiseParallel in the parallelize_module "
+                "plan (torch's ColwiseParallel / RowwiseParallel hand the layer DTensors)"
+            )
     if weight.dim() != 2 or input.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"input {tuple(input.shape)} and weight {tuple(weight.shape)} do not fit: "
@@ -218,4 +319,4 @@ def linear(
     if reason is not None:
         raise ValueError(f"recipe {recipe.name} cannot run this layer: {reason}")
     backend = resolve_backend(recipe.backend, input.device)
-    return _Linear.apply(input, weight, bias, recipe, backend, output_dtype(input))
+    return _Linear.apply(input, weight, bias, recipe, backend, output_dtype(input), amax_reduction)

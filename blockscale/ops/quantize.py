@@ -24,6 +24,13 @@ holds the tensor itself (transposed as a view), so callers need no special case 
 
 With `transpose=True` leading dims are flattened first and the [K, M] transpose is quantized:
 blocks then run along the tokens, the layout the grad_weight operands need.
+
+Given amaxes: `quantize_operand(..., amax=)` and `quantize_rows_and_tokens(..., row_amax=,
+tokens_amax=)` scale an NVFP4 copy with a given tensor amax instead of its own (None, the
+default, computes its own: the same bits as without the argument). Tensor parallel uses them
+with the whole tensor's amax, reduced over ranks from what `operand_amax` /
+`rows_and_tokens_amax` compute on each shard (the token copy's amax is of its Hadamard
+transform when it has one, so it is a second amax, not the row copy's).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import torch.nn.functional as F
 
 from blockscale import _library
 from blockscale.formats import grouped, mxfp8, nvfp4
+from blockscale.formats import hadamard as rht
 from blockscale.formats.grouped import TokenLayout
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import NVFP4Tensor
@@ -116,12 +124,13 @@ def _quantize_nvfp4(
     transpose: bool,
     generator: torch.Generator | None,
     dq: bool,
+    amax: torch.Tensor | None,
 ) -> NVFP4Tensor:
     options = dict(_nvfp4_options(config), hadamard=config.hadamard, transpose=transpose)
     if _library.use_kernels(x):
-        out = _kernels().nvfp4_quantize(x, generator=generator, return_dq=dq, **options)
+        out = _kernels().nvfp4_quantize(x, generator=generator, amax=amax, return_dq=dq, **options)
         return as_operand(*out) if dq else as_operand(out)
-    return nvfp4.quantize(x, generator=generator, **options)
+    return nvfp4.quantize(x, generator=generator, amax=amax, **options)
 
 
 def _quantize_mxfp8(x: torch.Tensor, transpose: bool, dq: bool) -> MXFP8Tensor:
@@ -137,17 +146,26 @@ def quantize_operand(
     transpose: bool = False,
     generator: torch.Generator | None = None,
     dq: bool = False,
+    amax: torch.Tensor | None = None,
 ) -> QuantizedOperand:
     """Quantize `x` per `config` along its last dim (its first, flattened, with transpose=True).
 
     `generator` feeds stochastic rounding; None draws from PyTorch's default generator, so
     `torch.manual_seed` reproduces the bits and CUDA graph replays draw fresh noise.
     `dq=True`: the result feeds a GEMM now, so a kernel writes its `_dq` in the same pass.
+    `amax` (NVFP4 only): the tensor amax to scale with instead of the copy's own, e.g. the
+    whole tensor's when x is a shard of it (`operand_amax` gives a copy's own, so a shard's
+    can be reduced over ranks first); an FP32 tensor of one value. None: the copy's own.
     """
     if not isinstance(config, OperandConfig):
         raise TypeError(f"config must be an OperandConfig, got {type(config).__name__}")
+    if amax is not None and config.format is not Format.NVFP4:
+        raise ValueError(
+            f"an amax was given for a {config.describe()} operand: only NVFP4 has a tensor "
+            "amax (MXFP8 scales are per block, BF16 is not quantized)"
+        )
     if config.format is Format.NVFP4:
-        return _quantize_nvfp4(x, config, transpose, generator, dq)
+        return _quantize_nvfp4(x, config, transpose, generator, dq, amax)
     if config.format is Format.MXFP8:
         return _quantize_mxfp8(x, transpose, dq)
     if transpose:
@@ -170,6 +188,8 @@ def _both_from_one_read(
     tokens: OperandConfig,
     generator: torch.Generator | None,
     tokens_dq: bool,
+    row_amax: torch.Tensor | None,
+    tokens_amax: torch.Tensor | None,
 ) -> tuple[QuantizedOperand, QuantizedOperand] | None:
     """Both copies from one kernel pass over x, where the formats allow it; else None."""
     if not _library.use_kernels(x) or row.format is not tokens.format or row.hadamard:
@@ -179,8 +199,8 @@ def _both_from_one_read(
     if row.format is Format.NVFP4:
         (q_row, dq_row), (q_tok, dq_tok) = _kernels().nvfp4_quantize_both(
             x,
-            rowwise=_nvfp4_options(row),
-            columnwise=dict(_nvfp4_options(tokens), hadamard=tokens.hadamard),
+            rowwise=dict(_nvfp4_options(row), amax=row_amax),
+            columnwise=dict(_nvfp4_options(tokens), hadamard=tokens.hadamard, amax=tokens_amax),
             return_dq=(True, tokens_dq),
             generator=generator,
         )
@@ -200,22 +220,76 @@ def quantize_rows_and_tokens(
     tokens: OperandConfig | None,
     generator: torch.Generator | None = None,
     tokens_dq: bool = False,
+    row_amax: torch.Tensor | None = None,
+    tokens_amax: torch.Tensor | None = None,
 ) -> tuple[QuantizedOperand | None, QuantizedOperand | None]:
     """The two copies of a [M, C] activation: along C per `row`, and along M (zero-padded to
     the block) per `tokens`, stored [C, M']. A None config skips that copy. The row copy
     feeds a GEMM now (its `_dq` is made with it); `tokens_dq` says whether the token copy does
-    too (backward) or is saved (forward). Stochastic draws: the row copy first."""
+    too (backward) or is saved (forward). Stochastic draws: the row copy first.
+
+    `row_amax` / `tokens_amax` (NVFP4 copies only; None: the copy's own): the tensor amaxes to
+    scale with, as `quantize_operand`'s `amax`. They are two different amaxes when the token
+    copy is Hadamard-transformed; `rows_and_tokens_amax` computes a shard's own pair."""
     if row is not None and tokens is not None:
-        both = _both_from_one_read(x, row, tokens, generator, tokens_dq)
+        both = _both_from_one_read(x, row, tokens, generator, tokens_dq, row_amax, tokens_amax)
         if both is not None:
             return both
-    row_lp = None if row is None else quantize_operand(x, row, generator=generator, dq=True)
+    row_lp = None
+    if row is not None:
+        row_lp = quantize_operand(x, row, generator=generator, dq=True, amax=row_amax)
     tokens_lp = None
     if tokens is not None:
         tokens_lp = quantize_operand(
-            pad_tokens(x, tokens), tokens, transpose=True, generator=generator, dq=tokens_dq
+            pad_tokens(x, tokens),
+            tokens,
+            transpose=True,
+            generator=generator,
+            dq=tokens_dq,
+            amax=tokens_amax,
         )
     return row_lp, tokens_lp
+
+
+def operand_amax(
+    x: torch.Tensor, config: OperandConfig, transpose: bool = False
+) -> torch.Tensor | None:
+    """The tensor amax `quantize_operand(x, config, transpose)` would compute itself (max |x|,
+    or max |y| of the Hadamard-transformed copy y), FP32 scalar; None where the format has no
+    tensor amax (MXFP8, BF16). Same reads and same value as the quantizer's own."""
+    if config.format is not Format.NVFP4:
+        return None
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    if _library.use_kernels(x):
+        if not config.hadamard:
+            return _kernels().amax(x2)
+        # the kernels transform along dim 0 of what they read (see kernels.nvfp4_quantize)
+        return _kernels().amax_hadamard_t(x2 if transpose else x2.t())
+    x2 = x2.t() if transpose else x2
+    xf = (rht.transform(x2) if config.hadamard else x2).float()
+    return xf.abs().amax() if xf.numel() else xf.new_zeros(())
+
+
+def rows_and_tokens_amax(
+    x: torch.Tensor, row: OperandConfig | None, tokens: OperandConfig | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The (row, tokens) amaxes `quantize_rows_and_tokens(x, row, tokens)` would compute
+    itself: the token copy's is that of the zero-padded, possibly Hadamard-transformed
+    transpose. None for a copy that is skipped or has no tensor amax. With the kernels and two
+    NVFP4 copies both come from one read of x."""
+    row_nv = row if row is not None and row.format is Format.NVFP4 else None
+    tokens_nv = tokens if tokens is not None and tokens.format is Format.NVFP4 else None
+    if row_nv is None and tokens_nv is None:
+        return None, None
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    x_pad = x2 if tokens_nv is None else pad_tokens(x2, tokens_nv)
+    one_read = row_nv is not None and tokens_nv is not None and not row_nv.hadamard
+    if one_read and _library.use_kernels(x):
+        plain, transformed = _kernels().amax_fused(x_pad, hadamard_t=tokens_nv.hadamard)
+        return plain, (transformed if tokens_nv.hadamard else plain)
+    row_amax = None if row_nv is None else operand_amax(x2, row_nv)
+    tokens_amax = None if tokens_nv is None else operand_amax(x_pad, tokens_nv, transpose=True)
+    return row_amax, tokens_amax
 
 
 # Wrappers that stand for an exact transpose of the container they hold (`.base`).
