@@ -11,6 +11,9 @@
   the expert gradients equal one process's on the group's whole batch (ep.py).
 - `QuantizedWeight`: a weight made of quantized copies, which `blockscale.linear` uses as they
   are (weight.py).
+- `QuantizedColwiseParallel` / `QuantizedRowwiseParallel`: torch's tensor parallel styles for
+  converted linears, which quantize local shards with amaxes reduced over the TP group
+  (tp.py; imported on first use, since torch.distributed.tensor takes ~0.5 s to import).
 
 docs/DISTRIBUTED.md describes the mechanisms, the shard rules and what is not done yet.
 """
@@ -25,6 +28,8 @@ from blockscale.distributed.weight import QuantizedWeight
 
 __all__ = [
     "ExpertShard",
+    "QuantizedColwiseParallel",
+    "QuantizedRowwiseParallel",
     "QuantizedWeight",
     "ShardedWeight",
     "cast_master_weights_to_nvfp4",
@@ -32,3 +37,13 @@ __all__ = [
     "enable_quantized_all_gather",
     "to_nvfp4_primary_weights",
 ]
+
+_TP_NAMES = ("QuantizedColwiseParallel", "QuantizedRowwiseParallel")
+
+
+def __getattr__(name: str) -> object:
+    if name in _TP_NAMES:
+        from blockscale.distributed import tp  # noqa: PLC0415 (see the module docstring)
+
+        return getattr(tp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
