@@ -389,3 +389,10 @@ def test_fsdp_on_two_gpus(tmp_path):
     run_local(_gather_worker, WORLD, device="cuda")
     run_local(_compile_worker, WORLD, device="cuda")
     run_local(_train_worker, WORLD, str(tmp_path / "bytes.json"), device="cuda")
+
+
+def test_gathered_weights_on_one_rank_equal_one_device_quantization():
+    """A one-rank mesh (a single-GPU run of a multi-GPU script): FSDP2 skips the collective
+    there and hands the post-all-gather hook only its first input; the hook rebuilds every
+    copy from what the rank sent, so the weight is the same as on N ranks."""
+    run_local(_gather_worker, 1)

@@ -320,7 +320,10 @@ class ShardedWeight(torch.Tensor):
                 "default Shard(0) placement"
             )
         amax = _shard_amax(shard, mesh.get_group()) if layout.needs_amax else None
-        return tuple(layout.inputs(shard, amax)), (layout, amax)
+        inputs = tuple(layout.inputs(shard, amax))
+        # On a one-rank mesh FSDP2 runs no collective and hands the post hook only the first
+        # input (torch 2.13); a one-rank gather is the input itself, so keep them all here.
+        return inputs, (layout, amax, inputs if world_size == 1 else None)
 
     def fsdp_post_all_gather(
         self,
@@ -330,8 +333,9 @@ class ShardedWeight(torch.Tensor):
         *,
         out: torch.Tensor | None = None,
     ) -> tuple[QuantizedWeight, tuple[torch.Tensor, ...]] | None:
-        layout, amax = metadata
-        weight, built = layout.assemble(all_gather_outputs, amax, param_dtype)
+        layout, amax, local = metadata
+        outputs = all_gather_outputs if local is None else local
+        weight, built = layout.assemble(outputs, amax, param_dtype)
         if out is not None:
             if not isinstance(out, QuantizedWeight):
                 raise TypeError(f"FSDP handed back a {type(out).__name__}, not a QuantizedWeight")
