@@ -30,6 +30,8 @@ What must hold against one process running the same converted MLP (stochastic ro
   nearest); the backward's draws are not one device's (each rank draws for its shard).
 - sequence parallel layouts (tokens sharded between the layer pairs: fc1 all-gathers its
   input, fc2 reduce-scatters) quantize the same operands: the same results.
+- torch.compile(fullgraph=True, options=EXACT_INDUCTOR_OPTIONS) of the parallelized model
+  gives eager's bits (output and gradients).
 - a shard that cuts blocks raises when the plan is applied (N=48 over 2 ranks for a 16x16
   weight; K=96 over 2 for MXFP8), and torch's own ColwiseParallel on a converted layer raises
   a TypeError that names the quantized styles.
@@ -50,6 +52,7 @@ from blockscale.distributed import QuantizedColwiseParallel, QuantizedRowwisePar
 from blockscale.distributed.launch import run_local
 from blockscale.formats import nvfp4
 from blockscale.ops import quantize_operand, quantize_rows_and_tokens, rows_and_tokens_amax
+from blockscale.ops.linear import EXACT_INDUCTOR_OPTIONS
 from blockscale.ops.quantize import pad_tokens
 
 WORLD = 2
@@ -149,6 +152,16 @@ def _check_against_one_device(name, recipe, ref_model, ref, got, model, rank, gr
     _assert_within(fc2.bias.grad.full_tensor(), ref_model[2].bias.grad, bound, f"{name}: b2")
 
 
+def _parallelized(model: nn.Module, mesh, all_reduce_amax) -> nn.Module:
+    """The model under PLAN, its layers reducing amaxes with `all_reduce_amax`."""
+    real = tp.all_reduce_amax
+    tp.all_reduce_amax = all_reduce_amax  # read when a style is applied
+    try:
+        return parallelize_module(model, mesh, PLAN)
+    finally:
+        tp.all_reduce_amax = real
+
+
 def _tp_worker(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
     x, grad = _data()
@@ -163,24 +176,17 @@ def _tp_worker(rank: int, world_size: int) -> None:
         ref_model = _mlp(recipe)
         ref = _one_device(ref_model, x, grad)
 
-        model = parallelize_module(_mlp(recipe), mesh, PLAN)
+        model = _parallelized(_mlp(recipe), mesh, counted)
         assert type(model[0]).__name__ == "TensorParallelLinear"
         assert model[0].weight.placements[0].is_shard(0), model[0].weight.placements
-        tp.all_reduce_amax, calls[:] = counted, []
-        try:
-            got = _sharded(model, x, grad)
-        finally:
-            tp.all_reduce_amax = real_all_reduce
+        calls.clear()
+        got = _sharded(model, x, grad)
         assert len(calls) == ALL_REDUCES_PER_STEP[name], (name, calls)
         _check_against_one_device(name, recipe, ref_model, ref, got, model, rank, grad)
 
         # the same without the reduction: each rank scales with its shard's own amax
-        model = parallelize_module(_mlp(recipe), mesh, PLAN)
-        tp.all_reduce_amax = lambda t, group=None: t.float()
-        try:
-            local = _sharded(model, x, grad)
-        finally:
-            tp.all_reduce_amax = real_all_reduce
+        model = _parallelized(_mlp(recipe), mesh, lambda t, group=None: t.float())
+        local = _sharded(model, x, grad)
         cols = slice(rank * 64, (rank + 1) * 64)
         same = torch.equal(local["h"], ref["h"].detach()[..., cols])
         # fc1's output columns: rank 1 holds the large rows (its amax is the whole weight's),
@@ -240,6 +246,28 @@ def _shard_rules(mesh) -> None:
 
 def test_tensor_parallel_mlp_equals_one_device():
     run_local(_tp_worker, WORLD)
+
+
+def _compile_worker(rank: int, world_size: int) -> None:
+    # ReLU, not GELU: Inductor's GELU differs from eager's in the last bit, which is not ours
+    mesh = init_device_mesh("cpu", (world_size,))
+    x, grad = _data()
+    steps = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+        model = parallelize_module(bs.convert(model, RECIPES["nvfp4"]), mesh, PLAN)
+        run = torch.compile(model, options=EXACT_INDUCTOR_OPTIONS, fullgraph=True)
+        xi = x.clone().requires_grad_()
+        out = (run if compiled else model)(xi)
+        out.backward(grad)
+        steps.append([out, xi.grad, *(m.weight.grad.to_local() for m in model[::2])])
+    for eager, compiled in zip(*steps, strict=True):
+        assert torch.equal(eager, compiled)
+
+
+def test_compiled_tensor_parallel_equals_eager():
+    run_local(_compile_worker, WORLD)
 
 
 # ---------------------------------------------------------------- ops: the amax arguments
