@@ -8,6 +8,7 @@ run) ends with one line on stderr and exit status 2; a run that stopped early (C
 
 `torchrun --nproc-per-node N -m blockscale train --fsdp ...` trains one run over N ranks
 (blockscale/train/ranks.py, docs/DISTRIBUTED.md): rank 0 alone prints and writes the run.
+`--ep` instead of `--fsdp` (MoE models) splits the experts over the ranks (expert parallel).
 """
 
 from __future__ import annotations
@@ -72,17 +73,21 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     overrides = overrides_from_args(args)
     _out_dir(args.out)
-    if args.fsdp:
+    flag = "--ep" if args.ep else "--fsdp"
+    if args.fsdp and args.ep:
+        raise UsageError("--ep with --fsdp: expert parallel does not run under FSDP2 yet; pass one")
+    if args.fsdp or args.ep:
         if not launched():
             raise UsageError(
-                "--fsdp needs one process per rank, started by torchrun: torchrun "
-                "--nproc-per-node N -m blockscale train --fsdp ... (WORLD_SIZE is not set)"
+                f"{flag} needs one process per rank, started by torchrun: torchrun "
+                f"--nproc-per-node N -m blockscale train {flag} ... (WORLD_SIZE is not set)"
             )
         _fsdp_defaults(overrides, args.resume)
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError(
-            f"this process is one of WORLD_SIZE={os.environ['WORLD_SIZE']} ranks; pass --fsdp to "
-            "train one run over them (without it every rank would train and write the same run)"
+            f"this process is one of WORLD_SIZE={os.environ['WORLD_SIZE']} ranks; pass --fsdp "
+            "(or --ep for an MoE model) to train one run over them (without it every rank would "
+            "train and write the same run)"
         )
     if args.resume:
         if args.out is None:
@@ -91,11 +96,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(saved_config(Path(args.out)), **overrides)
     else:
         cfg = TrainConfig(**overrides)
-    if args.fsdp and args.out is None:
-        raise UsageError("--fsdp needs --out DIR: every rank must name the same run directory")
+    if (args.fsdp or args.ep) and args.out is None:
+        raise UsageError(f"{flag} needs --out DIR: every rank must name the same run directory")
     out = Path(args.out or f"runs/{cfg.model}-{cfg.recipe}-{_timestamp()}")
-    summary = train(cfg, out, resume=args.resume, progress=not args.quiet, fsdp=args.fsdp)
-    if args.fsdp:
+    summary = train(
+        cfg, out, resume=args.resume, progress=not args.quiet, fsdp=args.fsdp, ep=args.ep
+    )
+    if args.fsdp or args.ep:
         leave()
     if _main_rank():
         print(json.dumps({k: v for k, v in summary.items() if k != "recipe_detail"}))
@@ -172,6 +179,13 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="one rank of a torchrun launch: shard the model with FSDP2 over the ranks "
         "(torchrun --nproc-per-node N -m blockscale train --fsdp --out DIR ...)",
+    )
+    train.add_argument(
+        "--ep",
+        action="store_true",
+        help="one rank of a torchrun launch of an MoE model: each rank keeps n_experts/N "
+        "experts (expert parallel) and its share of the batch, the rest replicated "
+        "(torchrun --nproc-per-node N -m blockscale train --ep --model moe-tiny --out DIR ...)",
     )
     add_config_flags(train)
     train.set_defaults(func=cmd_train)

@@ -305,6 +305,8 @@ def save_sharded(
 
     ranks.on_main(start, device)
     model_state, optim_state = get_state_dict(model, optimizer)
+    if ranks.expert_parallel:
+        _experts_as_shards(model, model_state, optim_state, device)
     dcp.save({"model": model_state, "optim": optim_state}, storage_writer=dcp.FileSystemWriter(tmp))
     tensors = {"rng.cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -326,6 +328,36 @@ def save_sharded(
 
     ranks.on_main(publish, device)
     return tmp.with_name(tmp.name.removesuffix(".tmp"))
+
+
+def _experts_as_shards(model, model_state: dict, optim_state: dict, device) -> None:
+    """An --ep run's state dicts with each rank's expert weights and their AdamW moments as
+    DTensors Shard(0) of the whole [E, ...] tensors: DCP then writes every rank's experts under
+    their global offsets (plain tensors it takes as replicated, written once), so the files are
+    those of a one-process model's whole experts and load onto any ranks, or none (`eval`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from blockscale.train.ranks import local_experts
+
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    for name, param in local_experts(model).items():
+        model_state[name] = DTensor.from_local(model_state[name], mesh, [Shard(0)], run_check=False)
+        # A copy: get_state_dict hands out the optimizer's own per-parameter dicts.
+        moments = optim_state["state"][name] = dict(optim_state["state"].get(name, {}))
+        for key, value in list(moments.items()):
+            if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                moments[key] = DTensor.from_local(value, mesh, [Shard(0)], run_check=False)
+
+
+def _experts_as_local(model_state: dict, optim_state: dict) -> None:
+    """Undo `_experts_as_shards` after DCP loaded into the shards: the plain local tensors."""
+    from torch.distributed.tensor import DTensor
+
+    for states in (model_state, *optim_state["state"].values()):
+        for key, value in states.items():
+            if isinstance(value, DTensor):
+                states[key] = value.to_local()
 
 
 def _rank_files(path: Path, verified: bool) -> list[tuple[dict, str]]:
@@ -370,7 +402,11 @@ def load_sharded(
     step = int(written[0][0]["step"])
     model_state, optim_state = get_state_dict(model, optimizer)
     try:
+        if ranks.expert_parallel:
+            _experts_as_shards(model, model_state, optim_state, device)
         dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
+        if ranks.expert_parallel:
+            _experts_as_local(model_state, optim_state)
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     except Exception as e:  # DCP wraps every rank's error in its own exception type
         raise _corrupt(path, e, verified) from None

@@ -54,7 +54,18 @@ from blockscale.train.config import RESUMABLE, TrainConfig, differences, identit
 from blockscale.train.data import Batches, load_corpus
 from blockscale.train.errors import UsageError
 from blockscale.train.evaluate import evaluate
-from blockscale.train.ranks import Ranks, check_batch, full, join, seed_stream, shard
+from blockscale.train.ranks import (
+    Ranks,
+    average_replicated_grads,
+    check_batch,
+    clip_expert_parallel,
+    expert_parallel,
+    full,
+    join,
+    local_experts,
+    seed_stream,
+    shard,
+)
 
 try:
     from tqdm.auto import tqdm
@@ -180,7 +191,9 @@ def _carried_over(written: list[dict], ranks: Ranks) -> dict:
     if "aux_sum" in written[0]:
         out["aux_sum"] = sum((m["aux_sum"] for m in mine), 0.0)
         tokens = torch.tensor([m["expert_tokens"] for m in written], dtype=torch.int64)
-        out["expert_tokens"] = (tokens.sum(0) if mine else tokens[0] * 0).tolist()
+        # Under --ep every rank's counts are already the group's: rank 0 takes one rank's.
+        total = tokens[0] if ranks.expert_parallel else tokens.sum(0)
+        out["expert_tokens"] = (total if mine else tokens[0] * 0).tolist()
     return out
 
 
@@ -190,6 +203,7 @@ def train(
     resume: bool = False,
     progress: bool = True,
     fsdp: bool = False,
+    ep: bool = False,
 ) -> dict:
     """Train (or continue training) the run in `run_dir`; returns its summary.
 
@@ -199,7 +213,11 @@ def train(
     fsdp: this process is one rank of a torchrun launch (train/ranks.py): it joins the default
     process group (which stays initialized on return), trains its share of each step on the
     FSDP2-sharded model and writes its part of the sharded checkpoints; rank 0 alone prints
-    and writes the run's files, and other ranks return only {"status": ...}."""
+    and writes the run's files, and other ranks return only {"status": ...}.
+
+    ep: the same, with an MoE model's experts split over the ranks (expert parallel) instead
+    of FSDP2: each rank keeps E/N experts and the other weights whole, whose gradients it
+    averages over the ranks after the backward (train/ranks.py)."""
     run_dir = Path(run_dir)
     metrics = Metrics(run_dir / "metrics.jsonl")
     if resume:
@@ -210,20 +228,35 @@ def train(
         raise UsageError(
             f"{run_dir} already holds a run; pass --resume to continue it, or choose another --out"
         )
-    if fsdp:
+    if fsdp or ep:
+        flag = "--ep" if ep else "--fsdp"
+        if fsdp and ep:
+            raise UsageError(
+                "--ep with --fsdp: expert parallel does not run under FSDP2 yet; pass one"
+            )
+        if ep and not isinstance(build.build_model_config(cfg), build.MoEConfig):
+            raise UsageError(
+                f"--ep splits an MoE model's experts over the ranks; model {cfg.model!r} has "
+                "none (use --model moe-tiny or moe-small, or --fsdp for a dense model)"
+            )
         if cfg.telemetry_every:
             raise UsageError(
                 f"telemetry_every={cfg.telemetry_every}: the numerics probe does not run under "
-                "--fsdp yet (docs/DISTRIBUTED.md); pass --telemetry-every 0"
+                f"{flag} yet (docs/DISTRIBUTED.md); pass --telemetry-every 0"
             )
-        ranks, device = join(cfg.device)
+        ranks, device = join(cfg.device, flag)
+        ranks = Ranks(ranks.rank, ranks.world_size, sharded=True, expert_parallel=ep)
         check_batch(cfg.grad_accum, ranks)
     else:
         ranks, device = Ranks(), build.resolve_device(cfg.device)
     metrics.enabled = ranks.main
     corpus = load_corpus(cfg.data, cfg.max_data_bytes)
     model, recipe = build.build_model(cfg, device)
-    if ranks.sharded:
+    if ranks.expert_parallel:
+        expert_parallel(model, ranks)  # after convert (in build_model), before the optimizer
+        if not ranks.main:  # rank 0 continues the stream of initialization, as one process
+            seed_stream(cfg.seed, ranks.rank, 0)
+    elif ranks.sharded:
         # The precision schedule switches layers to BF16, which a quantized all-gather cannot
         # follow (its layout is fixed at the first gather): such runs gather FP32 weights. One
         # rank gathers nothing, and FSDP2 (torch 2.13) on one rank hands the post-gather hook
@@ -289,6 +322,8 @@ def train(
             metrics.write(row)
 
     n_params = sum(p.numel() for p in model.parameters())
+    if ranks.expert_parallel:  # the whole model's: the other ranks' experts counted too
+        n_params += (ranks.world_size - 1) * sum(p.numel() for p in local_experts(model).values())
     bar = None
     if progress and ranks.main and tqdm is not None:
         bar = tqdm(
@@ -299,7 +334,11 @@ def train(
         if ranks.main:
             _say(message, bar)
 
-    where = f"{ranks.world_size} rank(s) ({device.type}, FSDP2)" if ranks.sharded else str(device)
+    where = (
+        f"{ranks.world_size} rank(s) ({device.type}, {'EP' if ranks.expert_parallel else 'FSDP2'})"
+        if ranks.sharded
+        else str(device)
+    )
     say(
         f"{run_dir}: model {cfg.model} ({n_params / 1e6:.2f}M params), recipe {recipe.name}, "
         f"{where}, {cfg.steps} steps of {tokens_per_step} tokens"
@@ -358,7 +397,12 @@ def train(
                     (loss * ranks.world_size if ranks.world_size > 1 else loss).backward()
                     loss_sum += ce.detach()
                 clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                if ranks.expert_parallel:
+                    # The experts' owners hold their averaged gradients; the rest: averaged here.
+                    average_replicated_grads(model, ranks)
+                    grad_norm = clip_expert_parallel(model, clip, ranks)
+                else:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 loss_steps += 1
@@ -387,7 +431,11 @@ def train(
                         row["peak_gib"] = memory.training()
                     if routed:
                         row["aux_loss"] = (ranks.sum(aux_sum) / loss_steps).item()
-                        row["expert_tokens"] = dict(zip(routed, ranks.sum(expert_tokens).tolist()))
+                        # Under --ep every rank counted the group's batch: not summed again.
+                        counted = (
+                            expert_tokens if ranks.expert_parallel else ranks.sum(expert_tokens)
+                        )
+                        row["expert_tokens"] = dict(zip(routed, counted.tolist()))
                         aux_sum.zero_()
                         expert_tokens.zero_()
                     metrics.write(row)

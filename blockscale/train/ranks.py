@@ -24,6 +24,7 @@ then no-ops, so the training loop reads the same either way.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -40,7 +41,8 @@ _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 class Ranks:
     rank: int = 0
     world_size: int = 1
-    sharded: bool = False  # a --fsdp run: a process group, FSDP2, sharded checkpoints
+    sharded: bool = False  # a --fsdp or --ep run: a process group, sharded checkpoints
+    expert_parallel: bool = False  # an --ep run: experts split over the ranks, the rest replicated
 
     @property
     def main(self) -> bool:
@@ -106,30 +108,30 @@ def launched() -> bool:
     return "WORLD_SIZE" in os.environ
 
 
-def join(device_name: str) -> tuple[Ranks, torch.device]:
+def join(device_name: str, flag: str = "--fsdp") -> tuple[Ranks, torch.device]:
     """Join the default process group of a torchrun launch; returns this rank and its device.
 
     device_name: the run's `--device`: auto (CUDA if there is one), cpu, or cuda (each rank
     takes the GPU of its LOCAL_RANK)."""
     if not launched():
         raise UsageError(
-            "--fsdp needs one process per rank, started by torchrun: "
-            "torchrun --nproc-per-node N -m blockscale train --fsdp ... (WORLD_SIZE is not set)"
+            f"{flag} needs one process per rank, started by torchrun: "
+            f"torchrun --nproc-per-node N -m blockscale train {flag} ... (WORLD_SIZE is not set)"
         )
     missing = [name for name in _ENV if name not in os.environ]
     if missing:
-        raise UsageError(f"--fsdp: the launcher set WORLD_SIZE but not {', '.join(missing)}")
+        raise UsageError(f"{flag}: the launcher set WORLD_SIZE but not {', '.join(missing)}")
     rank, world, local = (int(os.environ[name]) for name in _ENV)
     if device_name not in ("auto", "cpu", "cuda"):
         raise UsageError(
-            f"--device {device_name} with --fsdp: each rank uses the GPU of its local rank; "
+            f"--device {device_name} with {flag}: each rank uses the GPU of its local rank; "
             "pass --device cuda, cpu or auto"
         )
     use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
     if use_cuda:
         if torch.cuda.device_count() <= local:
             raise UsageError(
-                f"--fsdp: local rank {local} needs GPU {local}, but this machine has "
+                f"{flag}: local rank {local} needs GPU {local}, but this machine has "
                 f"{torch.cuda.device_count()} CUDA GPU(s)"
             )
         device = torch.device("cuda", local)
@@ -141,7 +143,7 @@ def join(device_name: str) -> tuple[Ranks, torch.device]:
         dist.init_process_group("nccl" if use_cuda else "gloo", **kwargs)
     if (dist.get_rank(), dist.get_world_size()) != (rank, world):
         raise UsageError(
-            f"--fsdp: the process group has rank {dist.get_rank()} of {dist.get_world_size()}, "
+            f"{flag}: the process group has rank {dist.get_rank()} of {dist.get_world_size()}, "
             f"the environment says {rank} of {world}"
         )
     return Ranks(rank, world, sharded=True), device
@@ -196,3 +198,74 @@ def shard(model: torch.nn.Module, quantized_gather: bool, device: torch.device) 
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+# --------------------------------------------------------------------------- expert parallel (--ep)
+#
+# Every rank is a data-parallel rank (its share of the step's micro-batches, as under --fsdp)
+# that keeps E/W of every MoE layer's experts (blockscale.distributed.enable_expert_parallel).
+# The other parameters are replicated: their gradients are averaged over the ranks after the
+# backward (`average_replicated_grads`); the experts' owners already hold their averaged
+# gradients (the all-to-all's backward brings every rank's, and a hook divides by W).
+
+
+def expert_parallel(model: torch.nn.Module, ranks: Ranks) -> None:
+    """Split the experts of a converted MoE model over the ranks (before the optimizer)."""
+    from blockscale.distributed import enable_expert_parallel
+
+    try:
+        enable_expert_parallel(model)
+    except ValueError as e:
+        raise UsageError(f"--ep on {ranks.world_size} ranks: {e}") from None
+
+
+def local_experts(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """This rank's expert weights by fully qualified name (an --ep model's; {} otherwise)."""
+    from blockscale.nn.experts import experts_weights
+
+    return {
+        f"{name}.experts.{w}" if name else f"experts.{w}": p
+        for name, m in model.named_modules()
+        if getattr(m, "expert_shard", None) is not None
+        for w, p in experts_weights(m.experts).items()
+    }
+
+
+def average_replicated_grads(model: torch.nn.Module, ranks: Ranks) -> None:
+    """The mean over the ranks of every gradient but the local experts' (one all-reduce of
+    them all, flattened). With 2 ranks the sum is order-free and halving exact."""
+    experts = {id(p) for p in local_experts(model).values()}
+    grads = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in experts]
+    if not grads or ranks.world_size == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= ranks.world_size
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def clip_expert_parallel(model: torch.nn.Module, max_norm: float, ranks: Ranks) -> torch.Tensor:
+    """clip_grad_norm_ over the whole model of an --ep run: the replicated gradients' squared
+    norm once, plus the local experts' summed over the ranks; every rank then scales by the
+    same coefficient (a rank-local norm would clip the replicated weights differently)."""
+    experts = {id(p) for p in local_experts(model).values()}
+    params = [p for p in model.parameters() if p.grad is not None]
+    shared = [p.grad for p in params if id(p) not in experts]
+    own = [p.grad for p in params if id(p) in experts]
+    device = params[0].grad.device if params else torch.device("cpu")
+
+    def squared(grads) -> torch.Tensor:
+        if not grads:
+            return torch.zeros((), device=device)
+        return torch.nn.utils.get_total_norm(grads).float() ** 2
+
+    expert_sq = squared(own)
+    if ranks.world_size > 1:
+        dist.all_reduce(expert_sq)
+    total = (squared(shared) + expert_sq).sqrt()
+    if math.isfinite(max_norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
