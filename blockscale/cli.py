@@ -102,12 +102,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     summary = train(
         cfg, out, resume=args.resume, progress=not args.quiet, fsdp=args.fsdp, ep=args.ep
     )
-    if args.fsdp or args.ep:
+    distributed = args.fsdp or args.ep
+    if distributed:
         leave()
     if _main_rank():
         print(json.dumps({k: v for k, v in summary.items() if k != "recipe_detail"}))
         print(f"run directory: {out}")
-    return {"done": 0, "diverged": 1}.get(summary["status"], STOPPED)
+    code = {"done": 0, "diverged": 1}.get(summary["status"], STOPPED)
+    if distributed:
+        # The run is written and the group destroyed; leave without the exit-time destructors,
+        # where a gloo rank whose transport thread was still joinable aborted now and then
+        # ("terminate called without an active exception") after all its work had passed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
