@@ -40,29 +40,18 @@ from blockscale.train.ranks import Ranks, check_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
-RUN = [
-    "--quiet",
-    "--model",
-    "tiny",
-    "--steps",
-    str(STEPS),
-    "--batch-size",
-    "2",
-    "--seq-len",
-    "32",
-    "--log-every",
-    "1",
-    "--eval-every",
-    "3",
-    "--eval-tokens",
-    "2048",
-    "--ckpt-every",
-    "3",
-    "--keep-checkpoints",
-    "0",
-    "--max-data-bytes",
-    "50000",
-]
+
+
+def run_flags(model: str) -> list[str]:
+    """A short run of `model` that logs, evaluates and checkpoints often enough to compare."""
+    return [
+        "--quiet", "--model", model, "--steps", str(STEPS), "--batch-size", "2",
+        "--seq-len", "32", "--log-every", "1", "--eval-every", "3", "--eval-tokens", "2048",
+        "--ckpt-every", "3", "--keep-checkpoints", "0", "--max-data-bytes", "50000",
+    ]  # fmt: skip
+
+
+RUN = run_flags("tiny")
 # Every comparison exact (see the module docstring): no stochastic rounding, no clipping.
 EXACT = {"bf16": ["--recipe", "bf16", "--grad-clip", "0"]}
 EXACT["nvfp4"] = ["--recipe", "nvfp4", "--no-stochastic-rounding", "--grad-clip", "0"]
@@ -70,15 +59,15 @@ EXACT["nvfp4"] = ["--recipe", "nvfp4", "--no-stochastic-rounding", "--grad-clip"
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
-def torchrun(ranks: int, *args: str) -> subprocess.CompletedProcess:
+def torchrun(ranks: int, *args: str, mode: str = "--fsdp") -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", str(ranks), "-m", "blockscale", "train", "--fsdp", *args]
+    command += ["--nproc-per-node", str(ranks), "-m", "blockscale", "train", mode, *args]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
 
 
-def launch(ranks: int, out: Path, *args: str) -> subprocess.CompletedProcess:
-    done = torchrun(ranks, "--out", str(out), *args)
+def launch(ranks: int, out: Path, *args: str, mode: str = "--fsdp") -> subprocess.CompletedProcess:
+    done = torchrun(ranks, "--out", str(out), *args, mode=mode)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 

@@ -29,45 +29,18 @@ from one stream, two ranks from two.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from test_distributed_cli import resumed_from, rows
+import test_distributed_cli as fsdp_cli
+from test_distributed_cli import STEPS, resumed_from, rows, run_flags
 
 from blockscale.cli import main
 from blockscale.train import TrainConfig, eval_run, read_metrics, train
 from blockscale.train import checkpoint as ckpt
 
-ROOT = Path(__file__).resolve().parents[1]
-STEPS = 6
-RUN = [
-    "--quiet",
-    "--model",
-    "moe-tiny",
-    "--steps",
-    str(STEPS),
-    "--batch-size",
-    "2",
-    "--seq-len",
-    "32",
-    "--log-every",
-    "1",
-    "--eval-every",
-    "3",
-    "--eval-tokens",
-    "2048",
-    "--ckpt-every",
-    "3",
-    "--keep-checkpoints",
-    "0",
-    "--max-data-bytes",
-    "50000",
-    "--aux-loss-coef",
-    "0",
-]
+RUN = [*run_flags("moe-tiny"), "--aux-loss-coef", "0"]
 RECIPES = {"bf16": ["--recipe", "bf16"]}
 RECIPES["nvfp4"] = ["--recipe", "nvfp4", "--no-stochastic-rounding"]
 
@@ -75,16 +48,11 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def torchrun(ranks: int, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", str(ranks), "-m", "blockscale", "train", "--ep", *args]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    return fsdp_cli.torchrun(ranks, *args, mode="--ep")
 
 
 def launch(ranks: int, out: Path, *args: str) -> subprocess.CompletedProcess:
-    done = torchrun(ranks, "--out", str(out), *args)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
+    return fsdp_cli.launch(ranks, out, *args, mode="--ep")
 
 
 @pytest.fixture(scope="module", params=list(RECIPES))
