@@ -259,9 +259,8 @@ def train(
     elif ranks.sharded:
         # The precision schedule switches layers to BF16, which a quantized all-gather cannot
         # follow (its layout is fixed at the first gather): such runs gather FP32 weights. One
-        # rank gathers nothing, and FSDP2 (torch 2.13) on one rank hands the post-gather hook
-        # only the first of its inputs, so one rank keeps plain weights too (the same numbers:
-        # each layer quantizes its whole FP32 weight itself).
+        # rank gathers nothing, so it keeps plain weights too (the same numbers: each layer
+        # quantizes its whole FP32 weight itself, which is what a one-rank gather would hand it).
         quantized_gather = recipe.quantized and cfg.bf16_final_fraction == 0
         shard(model, quantized_gather and ranks.world_size > 1, device)
         if not ranks.main:  # rank 0 continues the stream of initialization, as one process
