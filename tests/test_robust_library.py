@@ -188,3 +188,15 @@ def test_quantize_switches_must_be_bools(quantize, flag):
     """transpose="False" is a truthy string: it transposed without a word."""
     with pytest.raises(TypeError, match=f"{flag}='False' is not True or False"):
         quantize(torch.randn(32, 32), **{flag: "False"})
+
+
+@pytest.mark.parametrize(("ha", "hb"), [(True, False), (False, True)])
+def test_native_scaled_mm_called_directly_refuses_one_hadamard_operand(ha, hb):
+    """gemm.native.scaled_mm reached without the dispatch (its arguments are built on any
+    device, so the check runs on the CPU as it would before a Blackwell GEMM)."""
+    from blockscale.gemm import native
+
+    a, b = operands(ha, hb)
+    with pytest.raises(ValueError, match=f"{ONE_HADAMARD} one: a has hadamard={ha}, b has"):
+        native.scaled_mm_args(a, b)
+    native.scaled_mm_args(*operands(True, True))  # a pair is accepted

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.formats.swizzle import to_blocked
+from blockscale.gemm.emulated import check_hadamard_pairing
 
 # The grouped (mixture-of-experts) GEMMs live in their own module; dispatch reaches them here.
 from blockscale.gemm.native_grouped import (  # noqa: F401 (re-exported)
@@ -117,6 +118,8 @@ def mxfp8_args(a: MXFP8Tensor, b: MXFP8Tensor) -> dict[str, Any]:
 
 
 def scaled_mm_args(a: NVFP4Tensor | MXFP8Tensor, b: NVFP4Tensor | MXFP8Tensor) -> dict[str, Any]:
+    # also when native.scaled_mm is called directly, not through the dispatch
+    check_hadamard_pairing(getattr(a, "hadamard", False), getattr(b, "hadamard", False))
     if isinstance(a, NVFP4Tensor):
         return nvfp4_args(a, b)  # type: ignore[arg-type]
     if isinstance(a, MXFP8Tensor):
