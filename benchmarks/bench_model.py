@@ -273,9 +273,7 @@ def run_case(name: str, spec: ModelSpec, mode: str, recipe: str, args, device) -
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=1e-4, fused=device.type == "cuda", foreach=None
         )
-        forward = (
-            torch.compile(model, mode=args.compile_mode) if mode == "compile" else model
-        )
+        forward = torch.compile(model, mode=args.compile_mode) if mode == "compile" else model
         step = make_step(model, optimizer, forward, device)
         gen = torch.Generator().manual_seed(1)
         shape = (args.batch_size, args.seq_len + 1)
