@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -90,26 +89,6 @@ class ExpertShard:
         return self.rank * self.n_local
 
 
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single over dim 0 with split sizes; the backward is the reverse exchange with
-    the same sizes (no host read)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        input: torch.Tensor,
-        send: list[int],
-        recv: list[int],
-        group: dist.ProcessGroup | None,
-    ) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return _exchange(input, send, recv, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _exchange(grad_output, ctx.recv, ctx.send, ctx.group), None, None, None
-
-
 def _exchange(
     input: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None
 ) -> torch.Tensor:
@@ -125,8 +104,14 @@ def all_to_all(
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Rows input[sum(send[:d]) : sum(send[:d+1])] go to rank d; the result holds the rows
-    received from ranks 0, 1, ... in that order (recv[s] from rank s). Differentiable."""
-    return _AllToAll.apply(input, send, recv, group)
+    received from ranks 0, 1, ... in that order (recv[s] from rank s). Differentiable: torch's
+    autograd all_to_all_single, whose backward is the reverse exchange with the same sizes (no
+    host read)."""
+    from torch.distributed.nn.functional import all_to_all_single  # noqa: PLC0415
+
+    output = input.new_empty((sum(recv), *input.shape[1:]))
+    group = group if group is not None else dist.group.WORLD
+    return all_to_all_single(output, input.contiguous(), recv, send, group=group)
 
 
 class _ExpertParallel:
