@@ -475,28 +475,11 @@ def train(
                     or (cfg.ckpt_every and done % cfg.ckpt_every == 0)
                 ):
                     metrics.sync()  # the rows up to `done` are on disk before its checkpoint
+                    state = (run_dir, done, model, optimizer, carried(), cfg.keep_checkpoints)
                     if ranks.sharded:
-                        checkpoint.save_sharded(
-                            run_dir,
-                            done,
-                            model,
-                            optimizer,
-                            carried(),
-                            cfg.keep_checkpoints,
-                            identity(cfg),
-                            ranks,
-                            device,
-                        )
+                        checkpoint.save_sharded(*state, identity(cfg), ranks, device)
                     else:
-                        checkpoint.save(
-                            run_dir,
-                            done,
-                            model,
-                            optimizer,
-                            carried(),
-                            cfg.keep_checkpoints,
-                            run=identity(cfg),
-                        )
+                        checkpoint.save(*state, run=identity(cfg))
                 memory.restart()  # the next steps' peak starts here
                 excluded += time.perf_counter() - t0
                 if (stopping or out_of_time) and not last:
