@@ -1,6 +1,7 @@
 """Tensor parallel for converted linears: DTensor plans whose styles quantize local shards.
 
-Usage, with torch's own `parallelize_module`:
+blockscale's own models, whose `wqkv` and `w13` stack projections: `apply_tensor_parallel(model,
+mesh)` (end of this file). Any other model, with torch's own `parallelize_module`:
 
 ```python
 bs.convert(model, recipe)
