@@ -8,7 +8,8 @@ run) ends with one line on stderr and exit status 2; a run that stopped early (C
 
 `torchrun --nproc-per-node N -m blockscale train --fsdp ...` trains one run over N ranks
 (blockscale/train/ranks.py, docs/DISTRIBUTED.md): rank 0 alone prints and writes the run.
-`--ep` instead of `--fsdp` (MoE models) splits the experts over the ranks (expert parallel).
+`--ep` instead of `--fsdp` (MoE models) splits the experts over the ranks (expert parallel);
+`--tp` splits every block's linears over the ranks (tensor parallel), which share one batch.
 """
 
 from __future__ import annotations
@@ -59,35 +60,38 @@ def _main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _fsdp_defaults(overrides: dict, resume: bool) -> None:
-    """A new --fsdp run's defaults: one micro-batch per rank and step (the global batch is
-    --batch-size x the number of ranks), no numerics probe (not run under --fsdp yet)."""
+def _fsdp_defaults(overrides: dict, resume: bool, tp: bool) -> None:
+    """A new --fsdp or --ep run's defaults: one micro-batch per rank and step (the global batch
+    is --batch-size x the number of ranks); --tp ranks share each micro-batch, so they keep
+    one process's grad_accum. No numerics probe (not run sharded yet)."""
     if not resume:
-        overrides.setdefault("grad_accum", int(os.environ["WORLD_SIZE"]))
+        if not tp:
+            overrides.setdefault("grad_accum", int(os.environ["WORLD_SIZE"]))
         overrides.setdefault("telemetry_every", 0)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from blockscale.train.loop import saved_config, train
+    from blockscale.train.loop import exclusive_modes, saved_config, train
     from blockscale.train.ranks import launched, leave
 
     overrides = overrides_from_args(args)
     _out_dir(args.out)
-    flag = "--ep" if args.ep else "--fsdp"
-    if args.fsdp and args.ep:
-        raise UsageError("--ep with --fsdp: expert parallel does not run under FSDP2 yet; pass one")
-    if args.fsdp or args.ep:
+    flag = "--ep" if args.ep else "--tp" if args.tp else "--fsdp"
+    distributed = args.fsdp or args.ep or args.tp
+    if args.fsdp + args.ep + args.tp > 1:
+        raise UsageError(exclusive_modes(args.fsdp, args.ep, args.tp))
+    if distributed:
         if not launched():
             raise UsageError(
                 f"{flag} needs one process per rank, started by torchrun: torchrun "
                 f"--nproc-per-node N -m blockscale train {flag} ... (WORLD_SIZE is not set)"
             )
-        _fsdp_defaults(overrides, args.resume)
+        _fsdp_defaults(overrides, args.resume, args.tp)
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError(
             f"this process is one of WORLD_SIZE={os.environ['WORLD_SIZE']} ranks; pass --fsdp "
-            "(or --ep for an MoE model) to train one run over them (without it every rank would "
-            "train and write the same run)"
+            "(or --ep for an MoE model, or --tp) to train one run over them (without it every "
+            "rank would train and write the same run)"
         )
     if args.resume:
         if args.out is None:
@@ -96,13 +100,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(saved_config(Path(args.out)), **overrides)
     else:
         cfg = TrainConfig(**overrides)
-    if (args.fsdp or args.ep) and args.out is None:
+    if distributed and args.out is None:
         raise UsageError(f"{flag} needs --out DIR: every rank must name the same run directory")
     out = Path(args.out or f"runs/{cfg.model}-{cfg.recipe}-{_timestamp()}")
     summary = train(
-        cfg, out, resume=args.resume, progress=not args.quiet, fsdp=args.fsdp, ep=args.ep
+        cfg,
+        out,
+        resume=args.resume,
+        progress=not args.quiet,
+        fsdp=args.fsdp,
+        ep=args.ep,
+        tp=args.tp,
     )
-    distributed = args.fsdp or args.ep
     if distributed:
         leave()
     if _main_rank():
@@ -195,6 +204,13 @@ def parser() -> argparse.ArgumentParser:
         help="one rank of a torchrun launch of an MoE model: each rank keeps n_experts/N "
         "experts (expert parallel) and its share of the batch, the rest replicated "
         "(torchrun --nproc-per-node N -m blockscale train --ep --model moe-tiny --out DIR ...)",
+    )
+    train.add_argument(
+        "--tp",
+        action="store_true",
+        help="one rank of a torchrun launch: split every block's linears over the ranks "
+        "(tensor parallel; an MoE model's attention only), all ranks on the same batch "
+        "(torchrun --nproc-per-node N -m blockscale train --tp --out DIR ...)",
     )
     add_config_flags(train)
     train.set_defaults(func=cmd_train)

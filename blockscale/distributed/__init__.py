@@ -12,8 +12,11 @@
 - `QuantizedWeight`: a weight made of quantized copies, which `blockscale.linear` uses as they
   are (weight.py).
 - `QuantizedColwiseParallel` / `QuantizedRowwiseParallel`: torch's tensor parallel styles for
-  converted linears, which quantize local shards with amaxes reduced over the TP group
-  (tp.py; imported on first use, since torch.distributed.tensor takes ~0.5 s to import).
+  converted linears, which quantize local shards with amaxes reduced over the TP group;
+  `apply_tensor_parallel(model, mesh)`: blockscale's own models under such a plan, their
+  stacked `wqkv` / `w13` split per projection (`tensor_parallel_plan`,
+  `check_tensor_parallel`) (tp.py; imported on first use, since torch.distributed.tensor
+  takes ~0.5 s to import).
 
 docs/DISTRIBUTED.md describes the mechanisms, the shard rules and what is not done yet.
 """
@@ -32,13 +35,22 @@ __all__ = [
     "QuantizedRowwiseParallel",
     "QuantizedWeight",
     "ShardedWeight",
+    "apply_tensor_parallel",
     "cast_master_weights_to_nvfp4",
+    "check_tensor_parallel",
     "enable_expert_parallel",
     "enable_quantized_all_gather",
+    "tensor_parallel_plan",
     "to_nvfp4_primary_weights",
 ]
 
-_TP_NAMES = ("QuantizedColwiseParallel", "QuantizedRowwiseParallel")
+_TP_NAMES = (
+    "QuantizedColwiseParallel",
+    "QuantizedRowwiseParallel",
+    "apply_tensor_parallel",
+    "check_tensor_parallel",
+    "tensor_parallel_plan",
+)
 
 
 def __getattr__(name: str) -> object:

@@ -1,6 +1,7 @@
 """Tensor parallel for converted linears: DTensor plans whose styles quantize local shards.
 
-Usage, with torch's own `parallelize_module`:
+blockscale's own models, whose `wqkv` and `w13` stack projections: `apply_tensor_parallel(model,
+mesh)` (end of this file). Any other model, with torch's own `parallelize_module`:
 
 ```python
 bs.convert(model, recipe)
@@ -54,11 +55,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from blockscale.distributed._collectives import all_reduce_amax
 from blockscale.nn.linear import Linear
@@ -87,18 +94,30 @@ def _blocks_along(recipe: Recipe, kind: str) -> list[tuple[int, str]]:
     ]
 
 
-def check_shards(module: Linear, tp: int, kind: str) -> None:
+def check_shards(module: nn.Linear, tp: int, kind: str, parts: int = 1) -> None:
     """Raise a ValueError naming the layer, the shard size and the rule unless `module`'s
     weight splits evenly over `tp` ranks into shards of whole blocks (`kind`: COLWISE shards
-    N, ROWWISE shards K)."""
+    N, ROWWISE shards K). `parts` > 1 (column-wise only): the weight is that many projections
+    stacked along N, and each is split over the ranks (see `apply_tensor_parallel`). A layer
+    that is not quantized is checked for the even split alone."""
     n, k = module.weight.shape
     dim_name, dim = ("N", n) if kind == COLWISE else ("K", k)
-    layer = f"{type(module).__name__} with weight [{n}, {k}] (recipe {module.recipe.name})"
+    recipe = getattr(module, "recipe", None)
+    layer = f"{type(module).__name__} with weight [{n}, {k}]"
+    if recipe is not None:
+        layer += f" (recipe {recipe.name})"
+    if parts > 1:
+        if dim % parts:
+            raise ValueError(f"{layer}: N={n} is not {parts} stacked projections of equal size")
+        dim //= parts
+        layer += f", {parts} stacked projections of N={dim}"
     if dim % tp:
         raise ValueError(
             f"{layer}: {dim_name}={dim} does not split evenly over {tp} ranks ({kind} tensor "
             "parallel needs every shard the same size)"
         )
+    if recipe is None or not recipe.quantized:
+        return
     shard = dim // tp
     for block, why in _blocks_along(module.recipe, kind):
         if shard % block:
@@ -115,14 +134,22 @@ class _Layout:
     mesh: DeviceMesh
     output: Placement  # the style's output layout (row-wise: where the bias is added)
     amax_reduction: AmaxReduction
+    parts: int = 1  # column-wise: projections stacked along N, each split over the ranks
 
     @classmethod
-    def of(cls, kind: str, mesh: DeviceMesh, output: Placement) -> _Layout:
+    def of(cls, kind: str, mesh: DeviceMesh, output: Placement, parts: int = 1) -> _Layout:
         # all_reduce_amax looked up here, when the plan is applied (tests count its calls)
         reduce = functools.partial(all_reduce_amax, group=mesh.get_group())
         if kind == COLWISE:
-            return cls(kind, mesh, output, AmaxReduction(reduce, weight=True, grad_output=True))
+            reduction = AmaxReduction(reduce, weight=True, grad_output=True)
+            return cls(kind, mesh, output, reduction, parts)
         return cls(kind, mesh, output, AmaxReduction(reduce, input=True, weight=True))
+
+    def colwise_output(self, ndim: int) -> Placement:
+        """Where a column-wise layer's local output columns sit in the whole output."""
+        if self.parts == 1:
+            return Shard(ndim - 1)
+        return _StridedShard(ndim - 1, split_factor=self.parts)
 
 
 class _OnLocalShards:
@@ -132,18 +159,26 @@ class _OnLocalShards:
     _tp_layout: _Layout
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not (self.quantize_enabled and self.recipe.quantized):  # type: ignore[attr-defined]
-            return super().forward(input)  # type: ignore[misc]  # DTensor F.linear
         layout = self._tp_layout
+        # An nn.Linear (stacked projections only) has no quantize_enabled: not quantized.
+        quantized = getattr(self, "quantize_enabled", False) and self.recipe.quantized  # type: ignore[attr-defined]
+        if not quantized and layout.parts == 1:
+            return super().forward(input)  # type: ignore[misc]  # DTensor F.linear
         weight: DTensor = self.weight  # type: ignore[attr-defined]
         bias: DTensor | None = self.bias  # type: ignore[attr-defined]
-        recipe = self.recipe  # type: ignore[attr-defined]
         if layout.kind == COLWISE:
             # Each rank's grad_input is its shard's part of the sum over N: Partial.
             x = input.to_local(grad_placements=(Partial(),))  # type: ignore[attr-defined]
             b = None if bias is None else bias.to_local()
-            out = linear(x, weight.to_local(), b, recipe, amax_reduction=layout.amax_reduction)
-            return DTensor.from_local(out, layout.mesh, (Shard(out.dim() - 1),), run_check=False)
+            if quantized:
+                recipe = self.recipe  # type: ignore[attr-defined]
+                reduction = layout.amax_reduction
+                out = linear(x, weight.to_local(), b, recipe, amax_reduction=reduction)
+            else:  # stacked projections in BF16: DTensor would not place them (see below)
+                out = F.linear(x, weight.to_local(), b)
+            placement = layout.colwise_output(out.dim())
+            return DTensor.from_local(out, layout.mesh, (placement,), run_check=False)
+        recipe = self.recipe  # type: ignore[attr-defined]
         x = input.to_local()  # type: ignore[attr-defined]
         out = linear(x, weight.to_local(), None, recipe, amax_reduction=layout.amax_reduction)
         partial = DTensor.from_local(out, layout.mesh, (Partial(),), run_check=False)
@@ -162,7 +197,14 @@ class TensorParallelLinear(_OnLocalShards, Linear):
     """A blockscale Linear after QuantizedColwiseParallel / QuantizedRowwiseParallel."""
 
 
-_PARALLEL_CLASSES: dict[type, type] = {Linear: TensorParallelLinear}
+class _TensorParallelTorchLinear(_OnLocalShards, nn.Linear):
+    """An unconverted nn.Linear of stacked projections after `apply_tensor_parallel`."""
+
+
+_PARALLEL_CLASSES: dict[type, type] = {
+    Linear: TensorParallelLinear,
+    nn.Linear: _TensorParallelTorchLinear,
+}
 
 
 def _parallel_class(cls: type) -> type:
@@ -173,7 +215,7 @@ def _parallel_class(cls: type) -> type:
     return _PARALLEL_CLASSES[cls]
 
 
-def _prepare(module: Linear, mesh: DeviceMesh, kind: str) -> None:
+def _prepare(module: Linear, mesh: DeviceMesh, kind: str, parts: int = 1) -> None:
     if mesh.ndim != 1:
         raise ValueError(
             f"{kind} tensor parallel of a quantized layer takes a 1-D mesh (the TP group), got "
@@ -191,7 +233,7 @@ def _prepare(module: Linear, mesh: DeviceMesh, kind: str) -> None:
             f"{module!r}: its weight was prepared for FSDP's quantized all-gather, which does "
             "not take TP-sharded weights; use plain fully_shard for FSDP + TP"
         )
-    check_shards(module, mesh.size(), kind)
+    check_shards(module, mesh.size(), kind, parts)
 
 
 def _parallelize(
@@ -233,3 +275,137 @@ class QuantizedRowwiseParallel(RowwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         output = self.output_layouts[0]
         return _parallelize(module, device_mesh, ROWWISE, output, super()._apply)
+
+
+# --------------------------------------------------------------------------- blockscale's models
+#
+# blockscale's models (models/llama.py, the attention of models/moe.py) stack projections in
+# one linear: `wqkv` is [q; k; v] ([3*dim, dim]) and `w13` is [gate; up] ([2*hidden, dim]).
+# A plain Shard(0) of either would give rank 0 all of q and part of k (or gate alone). Here
+# each of the stacked parts is split over the ranks: rank r holds [q_r; k_r; v_r] (the
+# rows of heads r*H/tp .. (r+1)*H/tp - 1 of each) and [gate_r; up_r], which is DTensor's
+# `_StridedShard(0, split_factor=parts)`: the tensor cut into `parts`, each cut into tp, rank
+# r taking the r-th piece of every part. The DTensor's whole value stays the one-device
+# weight (full_tensor(), checkpoints), and the model's own forward splits the local output
+# as it splits the whole one: it counts heads from the output's width (n_heads/tp here).
+
+
+class _StackedColwiseParallel(QuantizedColwiseParallel):
+    """Column-wise for a linear whose weight stacks `parts` projections along N: each rank
+    holds its rows of every part, in part order, and computes those output columns (quantized
+    with the amaxes of the whole weight and grad_output, as QuantizedColwiseParallel does).
+    An unconverted or BF16 layer computes the same local columns with F.linear: DTensor has
+    no sharding rule that keeps a matmul's output in this strided layout. The output is
+    handed on as the local tensor (use_local_output), which the model splits by parts."""
+
+    def __init__(self, parts: int) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        placement = _StridedShard(0, split_factor=self.parts)
+        for param_name, param in module.named_parameters():
+            whole = distribute_tensor(
+                param, device_mesh, [placement], src_data_rank=self.src_data_rank
+            )
+            module.register_parameter(
+                param_name, nn.Parameter(whole, requires_grad=param.requires_grad)
+            )
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"stacked column-wise tensor parallel takes a Linear, not {module!r}")
+        if isinstance(module, Linear) and module.recipe.quantized:
+            _prepare(module, device_mesh, COLWISE, self.parts)
+        else:
+            check_shards(module, device_mesh.size(), COLWISE, self.parts)
+        module = ColwiseParallel._apply(self, module, device_mesh)
+        module.__class__ = _parallel_class(type(module))
+        layout = _Layout.of(COLWISE, device_mesh, Shard(-1), self.parts)
+        module._tp_layout = layout  # type: ignore[assignment]
+        return module
+
+
+def _stacked_layers(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module | None]]:
+    """(block name, its attention, its dense MLP or None) for each block of a model built like
+    blockscale's: `layers`, each with `attn` (`wqkv`, `wo`, `n_heads`) and `mlp`; an `mlp`
+    without `w13` / `w2` (an MoE layer) stays whole."""
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise ValueError(
+            f"{type(model).__name__} has no `layers`: apply_tensor_parallel takes blockscale's "
+            "own models (models/); give other models a plan of QuantizedColwiseParallel / "
+            "QuantizedRowwiseParallel styles"
+        )
+    found = []
+    for i, block in enumerate(layers):
+        attn = getattr(block, "attn", None)
+        if not all(hasattr(attn, name) for name in ("wqkv", "wo", "n_heads")):
+            raise ValueError(f"layers.{i} has no attention with wqkv, wo and n_heads")
+        mlp = getattr(block, "mlp", None)
+        dense = mlp if all(hasattr(mlp, name) for name in ("w13", "w2")) else None
+        found.append((f"layers.{i}", attn, dense))
+    return found
+
+
+def check_tensor_parallel(model: nn.Module, tp: int) -> None:
+    """Raise a one-line ValueError naming the rule unless `apply_tensor_parallel` can split
+    `model` over `tp` ranks: whole heads per rank (n_heads divisible by tp), an even split of
+    the MLP's hidden features, and shards of whole blocks in every quantized layer (for
+    `nvfp4` each part's rows and each row-wise K a multiple of 16·tp; 32·tp for MXFP8
+    operands). Touches nothing; needs no process group."""
+    if tp < 1:
+        raise ValueError(f"tensor-parallel degree {tp} is not a positive number of ranks")
+    for name, attn, mlp in _stacked_layers(model):
+        if attn.n_heads % tp:
+            raise ValueError(
+                f"{name}.attn: n_heads={attn.n_heads} does not split over {tp} tensor-parallel "
+                f"ranks (each rank computes whole heads: n_heads must be a multiple of {tp})"
+            )
+        hidden = mlp.w2.in_features if mlp is not None else 0
+        if hidden % tp:
+            raise ValueError(
+                f"{name}.mlp: hidden dim {hidden} does not split over {tp} tensor-parallel "
+                f"ranks (each rank keeps hidden/{tp} of the gate and up rows and of w2's columns)"
+            )
+        layers = [("attn.wqkv", attn.wqkv, COLWISE, 3), ("attn.wo", attn.wo, ROWWISE, 1)]
+        if mlp is not None:
+            layers += [("mlp.w13", mlp.w13, COLWISE, 2), ("mlp.w2", mlp.w2, ROWWISE, 1)]
+        for suffix, layer, kind, parts in layers:
+            try:
+                check_shards(layer, tp, kind, parts)
+            except ValueError as e:
+                raise ValueError(f"{name}.{suffix}: {e}") from None
+
+
+def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """The `parallelize_module` plan of blockscale's own models (by module name): `wqkv`
+    column-wise with q, k and v each split by heads, `wo` row-wise; a dense MLP's `w13`
+    column-wise with gate and up each split, `w2` row-wise. Embeddings, norms, `lm_head` and
+    MoE layers are not in it (replicated)."""
+    plan: dict[str, ParallelStyle] = {}
+    for name, _, mlp in _stacked_layers(model):
+        plan[f"{name}.attn.wqkv"] = _StackedColwiseParallel(parts=3)
+        plan[f"{name}.attn.wo"] = QuantizedRowwiseParallel()
+        if mlp is not None:
+            plan[f"{name}.mlp.w13"] = _StackedColwiseParallel(parts=2)
+            plan[f"{name}.mlp.w2"] = QuantizedRowwiseParallel()
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Split a (converted) blockscale model over the 1-D mesh `mesh` (the TP group) with
+    `tensor_parallel_plan`, after `check_tensor_parallel` (a ValueError before anything
+    changes). Every rank must hold the same weights (build from the same seed) and feed the
+    same tokens; the logits come out whole on every rank. Call it after `convert` and before
+    the optimizer (the parameters become DTensors)."""
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"apply_tensor_parallel takes a 1-D mesh (the TP group), not {mesh.ndim}-D"
+        )
+    check_tensor_parallel(model, mesh.size())
+    return parallelize_module(model, mesh, tensor_parallel_plan(model))

@@ -95,11 +95,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.wqkv(x).view(B, T, 3, self.n_heads, C // self.n_heads).unbind(2)
+        # Heads counted from wqkv's output ([q; k; v], whole heads each): a layer split over
+        # ranks from outside (distributed.tp) hands this rank n_heads / ranks of them.
+        q, k, v = self.wqkv(x).view(B, T, 3, -1, C // self.n_heads).unbind(2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = apply_rotary(q, cos[:T], sin[:T]), apply_rotary(k, cos[:T], sin[:T])
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(B, T, C))
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):

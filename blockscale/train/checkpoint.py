@@ -307,6 +307,8 @@ def save_sharded(
     model_state, optim_state = get_state_dict(model, optimizer)
     if ranks.expert_parallel:
         _experts_as_shards(model, model_state, optim_state, device)
+    if ranks.tensor_parallel:
+        _strided_as_shards(model_state, optim_state)
     dcp.save({"model": model_state, "optim": optim_state}, storage_writer=dcp.FileSystemWriter(tmp))
     tensors = {"rng.cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -360,6 +362,54 @@ def _experts_as_local(model_state: dict, optim_state: dict) -> None:
                 states[key] = value.to_local()
 
 
+def _strided_states(model_state: dict, optim_state: dict) -> list[tuple[dict, str]]:
+    """(dict, key) of every DTensor in a pair of state dicts whose layout DCP cannot write: a
+    --tp run's stacked projections (`_StridedShard`: each rank holds several row ranges of the
+    whole tensor, and DCP stores one box per rank). The optimizer's per-parameter dicts are
+    copied first (get_state_dict hands out the optimizer's own)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def strided(value) -> bool:
+        return isinstance(value, DTensor) and any(
+            isinstance(p, _StridedShard) for p in value.placements
+        )
+
+    found = [(model_state, key) for key, value in model_state.items() if strided(value)]
+    for name, moments in list(optim_state["state"].items()):
+        if any(strided(v) for v in moments.values()):
+            moments = optim_state["state"][name] = dict(moments)
+            found += [(moments, key) for key, value in moments.items() if strided(value)]
+    return found
+
+
+def _strided_as_shards(model_state: dict, optim_state: dict) -> list[tuple[dict, str, tuple]]:
+    """A --tp run's state dicts with each `_StridedShard` DTensor redistributed to Shard(0)
+    of the same whole value (an all-gather of that tensor, then each rank keeps its rows), so
+    DCP writes the one-device tensor in contiguous pieces: the files load onto any ranks, or
+    none (`eval`). Returns what `_strided_as_local` needs to undo it after a load."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    undo = []
+    for states, key in _strided_states(model_state, optim_state):
+        value = states[key]
+        whole = value.full_tensor()
+        states[key] = distribute_tensor(whole, value.device_mesh, [Shard(0)], src_data_rank=None)
+        undo.append((states, key, value.placements))
+    return undo
+
+
+def _strided_as_local(undo: list[tuple[dict, str, tuple]]) -> None:
+    """Undo `_strided_as_shards` after DCP loaded into the Shard(0) pieces (in place): the
+    values back in their `_StridedShard` layouts, which set_state_dict copies into the model."""
+    from torch.distributed.tensor import distribute_tensor
+
+    for states, key, placements in undo:
+        value = states[key]
+        whole = value.full_tensor()
+        states[key] = distribute_tensor(whole, value.device_mesh, placements, src_data_rank=None)
+
+
 def _rank_files(path: Path, verified: bool) -> list[tuple[dict, str]]:
     """(metadata, file name) of every rank that wrote the checkpoint, rank 0 first."""
     try:
@@ -404,14 +454,20 @@ def load_sharded(
     try:
         if ranks.expert_parallel:
             _experts_as_shards(model, model_state, optim_state, device)
+        if ranks.tensor_parallel:
+            undo = _strided_as_shards(model_state, optim_state)
         dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
         if ranks.expert_parallel:
             _experts_as_local(model_state, optim_state)
+        if ranks.tensor_parallel:
+            _strided_as_local(undo)
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     except Exception as e:  # DCP wraps every rank's error in its own exception type
         raise _corrupt(path, e, verified) from None
-    if ranks.rank < len(written):
-        rng = load_file(str(path / written[ranks.rank][1]))
+    # Under --tp every rank's stream is rank 0's (they draw alike): any number of ranks takes it.
+    own = 0 if ranks.tensor_parallel else ranks.rank
+    if own < len(written):
+        rng = load_file(str(path / written[own][1]))
         torch.set_rng_state(rng["rng.cpu"])
         if "rng.cuda" in rng and device.type == "cuda":
             torch.cuda.set_rng_state(rng["rng.cuda"], device)

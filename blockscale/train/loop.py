@@ -29,7 +29,8 @@ slices: rerun with `--resume` to continue.
 an FSDP2-sharded model, each rank running its share of every step's micro-batches; losses are
 summed over the ranks before a row is written, every rank evaluates (the sharded forward needs
 them all), rank 0 alone writes rows and files, and checkpoints are sharded (checkpoint.py).
-Stopping (a signal, `max_minutes`) is agreed by all ranks at every step.
+Stopping (a signal, `max_minutes`) is agreed by all ranks at every step. `tp=True` instead: the
+model's blocks split over the ranks (tensor parallel), which all run every micro-batch.
 """
 
 from __future__ import annotations
@@ -59,12 +60,14 @@ from blockscale.train.ranks import (
     average_replicated_grads,
     check_batch,
     clip_expert_parallel,
+    clip_tensor_parallel,
     expert_parallel,
     full,
     join,
     local_experts,
     seed_stream,
     shard,
+    tensor_parallel,
 )
 
 try:
@@ -182,7 +185,9 @@ def _carried_over(written: list[dict], ranks: Ranks) -> dict:
     """This rank's part of the loop state (sums since the last metrics row) of a sharded
     checkpoint written by `len(written)` ranks: its own on as many ranks; on another number,
     rank 0 takes the sums of all and the others start from zero (the row's mean is the same
-    up to the order of additions)."""
+    up to the order of additions). Under --tp every rank's sums are the same: rank 0's."""
+    if ranks.tensor_parallel:
+        return written[0]
     if len(written) == ranks.world_size:
         return written[ranks.rank]
     mine = written if ranks.main else []
@@ -204,6 +209,7 @@ def train(
     progress: bool = True,
     fsdp: bool = False,
     ep: bool = False,
+    tp: bool = False,
 ) -> dict:
     """Train (or continue training) the run in `run_dir`; returns its summary.
 
@@ -217,7 +223,10 @@ def train(
 
     ep: the same, with an MoE model's experts split over the ranks (expert parallel) instead
     of FSDP2: each rank keeps E/N experts and the other weights whole, whose gradients it
-    averages over the ranks after the backward (train/ranks.py)."""
+    averages over the ranks after the backward (train/ranks.py).
+
+    tp: the same, with the model's blocks split over the ranks (tensor parallel, train/ranks.py)
+    and every rank running all of each step's micro-batches (the ranks share the batch)."""
     run_dir = Path(run_dir)
     metrics = Metrics(run_dir / "metrics.jsonl")
     if resume:
@@ -228,11 +237,14 @@ def train(
         raise UsageError(
             f"{run_dir} already holds a run; pass --resume to continue it, or choose another --out"
         )
-    if fsdp or ep:
-        flag = "--ep" if ep else "--fsdp"
-        if fsdp and ep:
+    if fsdp or ep or tp:
+        flag = "--ep" if ep else "--tp" if tp else "--fsdp"
+        if fsdp + ep + tp > 1:
+            raise UsageError(exclusive_modes(fsdp, ep, tp))
+        if tp and cfg.compile:
             raise UsageError(
-                "--ep with --fsdp: expert parallel does not run under FSDP2 yet; pass one"
+                "--compile with --tp: a compiled tensor-parallel run is not tried yet "
+                "(docs/DISTRIBUTED.md); leave out --compile"
             )
         if ep and not isinstance(build.build_model_config(cfg), build.MoEConfig):
             raise UsageError(
@@ -245,14 +257,22 @@ def train(
                 f"{flag} yet (docs/DISTRIBUTED.md); pass --telemetry-every 0"
             )
         ranks, device = join(cfg.device, flag)
-        ranks = Ranks(ranks.rank, ranks.world_size, sharded=True, expert_parallel=ep)
-        check_batch(cfg.grad_accum, ranks)
+        ranks = Ranks(
+            ranks.rank, ranks.world_size, sharded=True, expert_parallel=ep, tensor_parallel=tp
+        )
+        if not tp:  # under --tp every rank runs every micro-batch
+            check_batch(cfg.grad_accum, ranks)
     else:
         ranks, device = Ranks(), build.resolve_device(cfg.device)
     metrics.enabled = ranks.main
     corpus = load_corpus(cfg.data, cfg.max_data_bytes)
     model, recipe = build.build_model(cfg, device)
-    if ranks.expert_parallel:
+    if ranks.tensor_parallel:
+        # After convert, before the optimizer. Every rank continues the stream of
+        # initialization: replicated tensors (a row-wise layer's grad_output) then draw the
+        # same stochastic rounding on every rank, and the split ones as many values each.
+        tensor_parallel(model, ranks, device)
+    elif ranks.expert_parallel:
         expert_parallel(model, ranks)  # after convert (in build_model), before the optimizer
         if not ranks.main:  # rank 0 continues the stream of initialization, as one process
             seed_stream(cfg.seed, ranks.rank, 0)
@@ -334,7 +354,7 @@ def train(
             _say(message, bar)
 
     where = (
-        f"{ranks.world_size} rank(s) ({device.type}, {'EP' if ranks.expert_parallel else 'FSDP2'})"
+        f"{ranks.world_size} rank(s) ({device.type}, {_mode(ranks)})"
         if ranks.sharded
         else str(device)
     )
@@ -392,14 +412,18 @@ def train(
                         aux_sum += aux.detach()
                         expert_tokens += torch.stack([m.tokens_per_expert for m in routed.values()])
                     # FSDP averages the ranks' gradients: a rank's loss counts world_size
-                    # times, so the step's gradient is the mean over all the micro-batches.
-                    (loss * ranks.world_size if ranks.world_size > 1 else loss).backward()
+                    # times, so the step's gradient is the mean over all the micro-batches
+                    # (not under --tp, where every rank runs them all).
+                    share = ranks.data_ranks
+                    (loss * share if share > 1 else loss).backward()
                     loss_sum += ce.detach()
                 clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
                 if ranks.expert_parallel:
                     # The experts' owners hold their averaged gradients; the rest: averaged here.
                     average_replicated_grads(model, ranks)
                     grad_norm = clip_expert_parallel(model, clip, ranks)
+                elif ranks.tensor_parallel:
+                    grad_norm = clip_tensor_parallel(model, clip, ranks)
                 else:
                     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 optimizer.step()
@@ -504,6 +528,19 @@ def train(
     with files.reported(run_dir):
         files.write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def exclusive_modes(fsdp: bool, ep: bool, tp: bool) -> str:
+    """The one line that refuses two of --fsdp, --ep and --tp together."""
+    given = [flag for flag, on in (("--ep", ep), ("--tp", tp), ("--fsdp", fsdp)) if on]
+    return (
+        f"{' with '.join(given)}: one of --fsdp, --ep and --tp at a time (they do not run "
+        "together yet); pass one"
+    )
+
+
+def _mode(ranks: Ranks) -> str:
+    return "EP" if ranks.expert_parallel else "TP" if ranks.tensor_parallel else "FSDP2"
 
 
 class _PeakMemory:

@@ -1,4 +1,5 @@
-"""The ranks of a `--fsdp` run: `torchrun --nproc-per-node N -m blockscale train ... --fsdp`.
+"""The ranks of a `--fsdp` run: `torchrun --nproc-per-node N -m blockscale train ... --fsdp`
+(and of `--ep` and `--tp` runs, at the end).
 
 One process per rank, launched by torchrun (which sets RANK, WORLD_SIZE and LOCAL_RANK). Each
 rank joins the default process group (gloo on the CPU, NCCL on CUDA with the GPU of its local
@@ -41,23 +42,31 @@ _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 class Ranks:
     rank: int = 0
     world_size: int = 1
-    sharded: bool = False  # a --fsdp or --ep run: a process group, sharded checkpoints
+    sharded: bool = False  # a --fsdp, --ep or --tp run: a process group, sharded checkpoints
     expert_parallel: bool = False  # an --ep run: experts split over the ranks, the rest replicated
+    tensor_parallel: bool = False  # a --tp run: layers split over the ranks, which share a batch
 
     @property
     def main(self) -> bool:
         """Rank 0: the one that prints, writes the run's files and finalizes checkpoints."""
         return self.rank == 0
 
+    @property
+    def data_ranks(self) -> int:
+        """How many ranks split each step's micro-batches (1 under --tp: all run them all)."""
+        return 1 if self.tensor_parallel else self.world_size
+
     def micro_batches(self, grad_accum: int) -> range:
         """The micro-batches of each step that this rank runs."""
-        share = grad_accum // self.world_size
-        return range(self.rank * share, (self.rank + 1) * share)
+        share = grad_accum // self.data_ranks
+        index = 0 if self.tensor_parallel else self.rank
+        return range(index * share, (index + 1) * share)
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The elementwise sum of `tensor` over the ranks (a new tensor)."""
+        """The elementwise sum of `tensor` over the ranks' batches (a new tensor): under --tp
+        every rank ran the same batches, so its own value."""
         total = tensor.detach().clone()
-        if self.sharded:
+        if self.sharded and not self.tensor_parallel:
             dist.all_reduce(total)
         return total
 
@@ -268,4 +277,56 @@ def clip_expert_parallel(model: torch.nn.Module, max_norm: float, ranks: Ranks) 
     total = (squared(shared) + expert_sq).sqrt()
     if math.isfinite(max_norm):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+# --------------------------------------------------------------------------- tensor parallel (--tp)
+#
+# Every rank holds 1/W of each block's linears (blockscale.distributed.apply_tensor_parallel:
+# wqkv and w13 split per projection, wo and w2 row-wise) and the rest whole, and all ranks run
+# the same micro-batches: the activations between the split layers are whole on every rank
+# (the row-wise outputs are all-reduced, the column-wise inputs' gradients too), so every
+# replicated parameter gets the same gradient on every rank and nothing is averaged. The
+# split parameters are DTensors whose whole value is the one-device weight.
+
+
+def tensor_parallel(model: torch.nn.Module, ranks: Ranks, device: torch.device) -> None:
+    """Split a converted model's blocks over the ranks (before the optimizer); a model that
+    does not split (heads, hidden dim, block rules) is one line."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from blockscale.distributed import apply_tensor_parallel, check_tensor_parallel
+
+    try:
+        check_tensor_parallel(model, ranks.world_size)
+    except ValueError as e:
+        raise UsageError(f"--tp on {ranks.world_size} ranks: {e}") from None
+    apply_tensor_parallel(model, init_device_mesh(device.type, (ranks.world_size,)))
+
+
+def clip_tensor_parallel(model: torch.nn.Module, max_norm: float, ranks: Ranks) -> torch.Tensor:
+    """clip_grad_norm_ over the whole model of a --tp run: the split gradients' local squared
+    norms summed over the ranks, plus the replicated gradients' once; every rank scales its
+    local gradients by the same coefficient (torch's formula, max_norm / (norm + 1e-6) capped
+    at 1)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    split = [g.to_local() for g in grads if isinstance(g, DTensor)]
+    whole = [g for g in grads if not isinstance(g, DTensor)]
+    device = grads[0].device if grads else torch.device("cpu")
+
+    def squared(tensors) -> torch.Tensor:
+        if not tensors:
+            return torch.zeros((), device=device)
+        return torch.nn.utils.get_total_norm(tensors).float() ** 2
+
+    split_sq = squared(split)
+    if ranks.world_size > 1:
+        dist.all_reduce(split_sq)
+    total = (squared(whole) + split_sq).sqrt()
+    if math.isfinite(max_norm):
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in split + whole:
+            g.mul_(coef.to(g.device))
     return total
