@@ -308,8 +308,7 @@ def test_kernel_steps_equal_reference_on_every_rank(special):
             assert torch.equal(amax_ker, amax_ref), f"tile amaxes, cuts {cuts}, rank {r}"
             ranks.append((ref, ker, amax_ker))
         bits = torch.stack([a for _, _, a in ranks]).amax(0)
-        tiles_per = [b - a for a, b in zip(ref.tile_base, ref.tile_base[1:])]
-        amax, scale, enc = mc.scales_and_multipliers(bits, tiles_per, device)
+        amax, scale, enc = mc.scales_and_multipliers(ker, bits, device)
         codes = torch.zeros(ref.byte_base[-1], dtype=torch.int32)
         for r, (ref, ker, _) in enumerate(ranks):
             codes_ref = mc.owned_codes(ref, enc, device)
@@ -317,7 +316,7 @@ def test_kernel_steps_equal_reference_on_every_rank(special):
             assert torch.equal(codes_ker, codes_ref), f"codes, cuts {cuts}, rank {r}"
             codes += codes_ker
         assert int(codes.max()) <= 255  # every nibble had one writer
-        rows = km.expand_tile_scales(scale, KERNEL_SHAPES)
+        rows = km.expand_tile_scales(ker.kernels, scale)
         for i, q in enumerate(want):
             what = f"weight {i} {KERNEL_SHAPES[i]}, cuts {cuts}"
             a, b = ref.byte_base[i], ref.byte_base[i + 1]
@@ -388,14 +387,13 @@ def test_kernel_steps_equal_reference_on_gpu():
         assert torch.equal(amax_ker, amax_bits(mc.partial_tile_amax(ref, device))), r
         ranks.append((ref, ker, amax_ker))
     bits = torch.stack([a for _, _, a in ranks]).amax(0)
-    tiles_per = [b - a for a, b in zip(ref.tile_base, ref.tile_base[1:])]
-    amax, scale, enc = mc.scales_and_multipliers(bits, tiles_per, device)
+    amax, scale, enc = mc.scales_and_multipliers(ker, bits, device)
     codes = torch.zeros(ref.byte_base[-1], dtype=torch.int32, device=device)
     for r, (ref, ker, _) in enumerate(ranks):
         codes_ker = mc.owned_codes(ker, enc, device)
         assert torch.equal(codes_ker, mc.owned_codes(ref, enc, device)), r
         codes += codes_ker
-    rows = km.expand_tile_scales(scale, shapes)
+    rows = km.expand_tile_scales(ker.kernels, scale)
     for i, w in enumerate(weights):
         q = nvfp4.quantize(w, block="16x16")
         a, b = ref.byte_base[i], ref.byte_base[i + 1]

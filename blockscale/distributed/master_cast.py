@@ -176,7 +176,7 @@ def partial_tile_amax(slices: RankSlices, device: torch.device) -> torch.Tensor:
     if slices.kernels is not None:
         from blockscale.kernels import master_cast as kernels  # noqa: PLC0415 (needs Triton)
 
-        return kernels.partial_tile_amax(slices.kernels, slices.tile_base[-1])
+        return kernels.partial_tile_amax(slices.kernels)
     tile_amax = torch.zeros(slices.tile_base[-1], dtype=torch.float32, device=device)
     for i, shard, start in slices.owned:
         cols = slices.shapes[i][1]
@@ -194,7 +194,7 @@ def owned_codes(slices: RankSlices, enc: torch.Tensor, device: torch.device) -> 
     if slices.kernels is not None:
         from blockscale.kernels import master_cast as kernels  # noqa: PLC0415 (needs Triton)
 
-        return kernels.owned_codes(slices.kernels, enc, slices.byte_base[-1])
+        return kernels.owned_codes(slices.kernels, enc)
     codes_out = torch.zeros(slices.byte_base[-1], dtype=torch.uint8, device=device)
     for i, shard, start in slices.owned:
         cols = slices.shapes[i][1]
@@ -211,15 +211,23 @@ def owned_codes(slices: RankSlices, enc: torch.Tensor, device: torch.device) -> 
 
 
 def scales_and_multipliers(
-    bits: torch.Tensor, tiles_per: Sequence[int], device: torch.device
+    slices: RankSlices, bits: torch.Tensor, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step 2, after the all-reduce: from every tile's amax (as int32 bits, NaN-propagating
     order) the weights' tensor amaxes (max of their tiles'), every tile's E4M3 scale and FP32
     encode multiplier. Batched over all tiles of all weights."""
+    weights = len(slices.shapes)
+    if slices.kernels is not None:
+        tiles_per = slices.kernels.tiles_per  # already on the device
+    else:
+        tiles_per = torch.tensor(
+            [b - a for a, b in zip(slices.tile_base, slices.tile_base[1:])], device=device
+        )
+    # output_size: without it the size would be read back from the device (a synchronization)
     weight_of_tile = torch.repeat_interleave(
-        torch.arange(len(tiles_per), device=device), torch.tensor(tiles_per, device=device)
+        torch.arange(weights, device=device), tiles_per, output_size=slices.tile_base[-1]
     )
-    weight_bits = torch.zeros(len(tiles_per), dtype=torch.int32, device=device).scatter_reduce(
+    weight_bits = torch.zeros(weights, dtype=torch.int32, device=device).scatter_reduce(
         0, weight_of_tile, bits, "amax", include_self=False
     )
     tile_amax, amax = bits.view(torch.float32), weight_bits.view(torch.float32)
@@ -243,7 +251,7 @@ def _write_back(
     if slices.kernels is not None:
         from blockscale.kernels import master_cast as kernels  # noqa: PLC0415 (needs Triton)
 
-        rows = kernels.expand_tile_scales(scale_bytes, slices.shapes)
+        rows = kernels.expand_tile_scales(slices.kernels, scale_bytes)
         scale_src = list(rows.split([16 * n for n in tiles_per]))
         scale_dst = [q.scale.view(torch.uint8).view(-1) for q in targets]
     else:
@@ -290,8 +298,7 @@ def cast_master_weights_to_nvfp4(
     tile_amax = partial_tile_amax(slices, device)
     # 2. one all-reduce for every tile amax; tensor amaxes are the max of their tiles'
     bits = all_reduce_amax(tile_amax, group).view(torch.int32)
-    tiles_per = [b - a for a, b in zip(slices.tile_base, slices.tile_base[1:])]
-    amax, scale, enc = scales_and_multipliers(bits, tiles_per, device)
+    amax, scale, enc = scales_and_multipliers(slices, bits, device)
     # 3. codes of owned elements into one zeroed byte buffer; one all-reduce assembles them
     codes = owned_codes(slices, enc, device)
     dist.all_reduce(codes, op=dist.ReduceOp.SUM, group=group)

@@ -186,12 +186,20 @@ def _expand(tiles: torch.Tensor, table: torch.Tensor, programs: int) -> torch.Te
 
 @dataclass(frozen=True)
 class SliceTable:
-    """A rank's owned segments, ready for the kernels: `flat` their FP32 values one after
-    another, `table` int64 [FIELDS, segments] on the device, `programs` the launch size."""
+    """A rank's part of one cast, ready for the kernels. flat: its owned values, FP32, segment
+    after segment; segments: int64 [FIELDS, segments]; scale_table: int64 [4, weights] (the
+    expansion's program ends, tiles per row, first tile, programs per band); tiles_per: int64
+    [weights], tiles of each weight. The tables reach the device in one copy, without a host
+    synchronization."""
 
     flat: torch.Tensor
-    table: torch.Tensor
+    segments: torch.Tensor
+    scale_table: torch.Tensor
+    tiles_per: torch.Tensor
     programs: int
+    scale_programs: int
+    tiles: int
+    n_bytes: int
 
 
 def _flat_values(shards: list[torch.Tensor]) -> torch.Tensor:
@@ -210,10 +218,18 @@ def _flat_values(shards: list[torch.Tensor]) -> torch.Tensor:
             in_place = False
             break
         at += s.numel()
-    total = at - first.storage_offset()
     if in_place:
-        return first.as_strided((total,), (1,))
+        return first.as_strided((at - first.storage_offset(),), (1,))
     return torch.cat([s.reshape(-1) for s in shards]).float()
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 values on `device`; to a GPU from pinned memory, asynchronously: a plain copy
+    from pageable memory would wait for the GPU to finish its queued work."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
+    return host.to(device, non_blocking=True)
 
 
 def slice_table(
@@ -223,55 +239,64 @@ def slice_table(
     byte_base: Sequence[int],
     device: torch.device,
 ) -> SliceTable:
-    """The kernels' description of a rank's slices: `owned` holds (weight index, shard, start
-    offset) for each non-empty slice (at most one per weight), `tile_base` / `byte_base` each
-    weight's first tile and byte in the all-weights buffers."""
-    fields: list[list[int]] = [[] for _ in range(FIELDS)]
+    """The kernels' description of a cast: `shapes` the weights' [rows, cols], `owned` the
+    rank's non-empty slices as (weight index, shard, start offset), at most one per weight,
+    `tile_base` / `byte_base` each weight's first tile and byte in the all-weights buffers
+    (totals last)."""
+    segments: list[list[int]] = [[] for _ in range(FIELDS)]
     programs = pos = 0
     for i, shard, start in owned:
         cols = shapes[i][1]
-        band = TILE * cols
         count = shard.numel()
-        band0, band1 = start // band, -(-(start + count) // band)
+        band0, band1 = start // (TILE * cols), -(-(start + count) // (TILE * cols))
         col_blocks = cdiv(cols // TILE, TILES)
         programs += (band1 - band0) * col_blocks
-        for f, v in zip(
-            fields,
-            (programs, start, count, cols, tile_base[i], byte_base[i], pos, band0, col_blocks),
-            strict=True,
-        ):
+        row = (programs, start, count, cols, tile_base[i], byte_base[i], pos, band0, col_blocks)
+        for f, v in zip(segments, row, strict=True):
             f.append(v)
         pos += count
-    flat = _flat_values([shard for _, shard, _ in owned]) if owned else None
-    table = torch.tensor(fields, dtype=torch.int64, device=device)
-    if flat is None:
+    scales: list[list[int]] = [[], [], [], []]
+    tiles_per = []
+    scale_programs = 0
+    for (rows, cols), base in zip(shapes, tile_base, strict=False):
+        col_blocks = cdiv(cols // TILE, SCALE_BLOCK)
+        scale_programs += (rows // TILE) * col_blocks
+        for f, v in zip(scales, (scale_programs, cols // TILE, base, col_blocks), strict=True):
+            f.append(v)
+        tiles_per.append((rows // TILE) * (cols // TILE))
+    n_seg, n_w = len(owned), len(shapes)
+    table = _to_device([v for f in segments for v in f] + [v for f in scales for v in f]
+                       + tiles_per, device)  # fmt: skip
+    if owned:
+        flat = _flat_values([shard for _, shard, _ in owned])
+    else:
         flat = torch.zeros(1, dtype=torch.float32, device=device)
-    return SliceTable(flat, table, programs)
+    return SliceTable(
+        flat,
+        table[: FIELDS * n_seg].view(FIELDS, n_seg),
+        table[FIELDS * n_seg : FIELDS * n_seg + 4 * n_w].view(4, n_w),
+        table[FIELDS * n_seg + 4 * n_w :],
+        programs,
+        scale_programs,
+        tile_base[-1],
+        byte_base[-1],
+    )
 
 
-def partial_tile_amax(slices: SliceTable, tiles: int) -> torch.Tensor:
+def partial_tile_amax(t: SliceTable) -> torch.Tensor:
     """FP32 [tiles]: the amax of each tile of every weight over this rank's elements (0 for a
     tile it owns none of; NaN as 0x7FC00000)."""
-    return _tile_amax(slices.flat, slices.table, tiles, slices.programs)
+    return _tile_amax(t.flat, t.segments, t.tiles, t.programs)
 
 
-def owned_codes(slices: SliceTable, enc: torch.Tensor, n_bytes: int) -> torch.Tensor:
-    """uint8 [n_bytes]: the packed codes of this rank's elements of every weight, with the
-    tiles' FP32 encode multipliers `enc` (every tile of every weight); zero elsewhere."""
-    return _codes(slices.flat, slices.table, enc.float().contiguous(), n_bytes, slices.programs)
+def owned_codes(t: SliceTable, enc: torch.Tensor) -> torch.Tensor:
+    """uint8 [bytes of all weights]: the packed codes of this rank's elements of every weight,
+    with the tiles' FP32 encode multipliers `enc` (every tile of every weight); zero elsewhere."""
+    return _codes(t.flat, t.segments, enc.float().contiguous(), t.n_bytes, t.programs)
 
 
-def expand_tile_scales(scale: torch.Tensor, shapes: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """E4M3 tile scales of every weight (band-major, weight after weight) -> uint8 bytes of
-    their [rows, cols / 16] scale tensors, weight after weight (each tile's scale on its rows)."""
-    fields: list[list[int]] = [[], [], [], []]
-    programs = base = 0
-    for rows, cols in shapes:
-        ct = cols // TILE
-        col_blocks = cdiv(ct, SCALE_BLOCK)
-        programs += (rows // TILE) * col_blocks
-        for f, v in zip(fields, (programs, ct, base, col_blocks), strict=True):
-            f.append(v)
-        base += (rows // TILE) * ct
-    table = torch.tensor(fields, dtype=torch.int64, device=scale.device)
-    return _expand(scale.view(torch.uint8).contiguous(), table, programs)
+def expand_tile_scales(t: SliceTable, scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 tile scales of every weight (row of tiles after row, weight after weight) -> the
+    bytes of their [rows, cols / 16] scale tensors, weight after weight (each tile's scale on
+    its 16 rows)."""
+    return _expand(scale.view(torch.uint8).contiguous(), t.scale_table, t.scale_programs)
