@@ -14,6 +14,7 @@ test_distributed_fsdp.py).
 
 from __future__ import annotations
 
+import collections
 import math
 
 import pytest
@@ -355,6 +356,41 @@ def test_kernel_cast_on_one_rank_equals_full_cast(one_rank_group, monkeypatch):
             assert torch.equal(got.scale.view(torch.uint8), ref.scale.view(torch.uint8)), what
             torch.testing.assert_close(got.amax, ref.amax, atol=0, rtol=0, equal_nan=True)
     assert torch.isnan(targets[3].amax)
+
+
+# ops that launch no kernel (views and aliases)
+_VIEW_OPS = {"view", "_unsafe_view", "reshape", "split", "split_with_sizes", "unbind", "slice",
+             "select", "expand", "as_strided", "alias", "detach", "lift_fresh"}  # fmt: skip
+
+
+def test_kernel_cast_ops_do_not_grow_with_weights(one_rank_group, monkeypatch):
+    """The kernel path runs the same PyTorch ops (and Triton launches) for 2 weights as for 8:
+    nothing in it is a loop of device work over the weights."""
+    from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC0415
+
+    from blockscale import _library  # noqa: PLC0415
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in _VIEW_OPS:
+                self.ops[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(_library, "use_kernels", lambda t: True)
+    counts = []
+    for n in (2, 8):
+        flat = torch.randn(n * 32 * 48)
+        targets = _garbage_targets([(32, 48)] * n, torch.device("cpu"))
+        with Count() as count:
+            cast_master_weights_to_nvfp4(targets, list(flat.split(32 * 48)), [0] * n)
+        counts.append(count.ops)
+    assert counts[0] == counts[1]
+    assert counts[0]["_foreach_copy_"] == 3
 
 
 @pytest.mark.gpu

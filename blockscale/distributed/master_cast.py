@@ -19,9 +19,7 @@ Why this needs care: a code depends on its tile's scale, the scale on the tile a
 tensor amax, and a slice boundary cuts through tiles (and bytes). So, for all weights at once:
 
 1. Each rank computes the amaxes of the tiles its slices touch, over its own elements, into
-   one FP32 buffer holding every tile of every weight (zeros elsewhere). Its slice is padded
-   with zeros to whole bands of 16 rows (zeros change no amax) so that this is one reshape
-   and one amax per weight, whatever the offsets.
+   one FP32 buffer holding every tile of every weight (zeros elsewhere).
 2. One all-reduce (MAX) of that buffer gives every tile's amax; each weight's tensor amax is
    the max of its tiles' (both on the FP32 bits as int32, which keeps NaN: _collectives.py).
 3. Every rank computes every tile's E4M3 scale (the same bits everywhere) and the codes of its
@@ -33,8 +31,26 @@ Two collectives per step whatever the number of weights. Cost: the tile-amax all
 4 bytes per 256 weight values; the code all-reduce moves the NVFP4 codes (an all-reduce moves
 about twice what an all-gather of each rank's bytes would, but needs no agreement on the
 slices' sizes; a distributed optimizer that all-gathers its own parameter buffer can do that
-part itself). The per-weight work is a few PyTorch ops per weight (not per tile or per
-element); a fused kernel over all weights would cut the launches further and is not written.
+part itself).
+
+Two implementations of the rank's own work (steps 1 and 3), with the same bits:
+
+- CUDA weights with Triton installed (`_library.use_kernels`): kernels/master_cast.py, one
+  launch for step 1 and one for step 3 over all weights (a program per 16-row band and block
+  of tiles of each slice, found by a binary search), reading the shards in place when they
+  are consecutive views of one buffer, and one launch that lays the tile scales out on their
+  rows. With step 2's batched PyTorch ops (a dozen launches over all tiles, whatever the
+  number of weights) and three batched copies into the weights (`torch._foreach_copy_`: codes,
+  scales, amaxes), a call is about twenty launches and two collectives, independent of the
+  number of weights, with no host synchronization (the kernels' small tables reach the device
+  in one copy from pinned memory).
+- Otherwise (the CPU) the PyTorch reference here: each slice padded with zeros to whole bands
+  of 16 rows (zeros change no amax), so that a weight's tile amaxes are one reshape and one
+  amax, and its codes formats/' arithmetic on the padded bands; a few ops per weight, not per
+  tile or per element.
+
+`rank_slices`, `partial_tile_amax`, `scales_and_multipliers` and `owned_codes` are those steps
+on one rank, without a process group (the tests compare the two implementations with them).
 
 The slices must partition each weight: every element owned by exactly one rank (not checked:
 an element owned twice would sum its codes).
