@@ -39,11 +39,11 @@ Two implementations of the rank's own work (steps 1 and 3), with the same bits:
   launch for step 1 and one for step 3 over all weights (a program per 16-row band and block
   of tiles of each slice, found by a binary search), reading the shards in place when they
   are consecutive views of one buffer, and one launch that lays the tile scales out on their
-  rows. With step 2's batched PyTorch ops (a dozen launches over all tiles, whatever the
-  number of weights) and three batched copies into the weights (`torch._foreach_copy_`: codes,
-  scales, amaxes), a call is about twenty launches and two collectives, independent of the
-  number of weights, with no host synchronization (the kernels' small tables reach the device
-  in one copy from pinned memory).
+  rows. With step 2's batched PyTorch ops over all tiles and three batched copies into the
+  weights (`torch._foreach_copy_`: codes, scales, amaxes), a call is a fixed set of launches
+  whatever the number of weights: 3 Triton kernels, 2 collectives, one copy of the kernels'
+  small tables (from pinned memory: no host synchronization) and 42 PyTorch ops (counted with
+  a dispatch mode, views left out; most are step 2's elementwise ops on the tile buffer).
 - Otherwise (the CPU) the PyTorch reference here: each slice padded with zeros to whole bands
   of 16 rows (zeros change no amax), so that a weight's tile amaxes are one reshape and one
   amax, and its codes formats/' arithmetic on the padded bands; a few ops per weight, not per
