@@ -9,6 +9,9 @@ What a script gets from here:
   `time.perf_counter`. `inputs` is a list of argument tuples that the calls cycle through:
   `rotating_inputs` builds enough copies that one cycle touches more than twice the L2 cache,
   so no call finds its operands already cached.
+- `time_host_and_device(fn)`: for launch-bound code, the host's time to issue a call (the
+  device idle at its start) and, on CUDA, the device's time to run it with every launch
+  already queued (behind a spin kernel), so neither hides the other.
 - `peak_memory(fn)`: the peak bytes allocated during one call above what was allocated before
   (CUDA caching allocator statistics; None on the CPU).
 - Ceilings measured in the same run, so ratios compare like with like: `copy_bandwidth()`
@@ -142,6 +145,74 @@ def time_fn(
             times.append((time.perf_counter() - t0) * 1e3)
     q = statistics.quantiles(times, n=5) if len(times) >= 2 else [times[0]] * 4
     return Timing(statistics.median(times), q[0], q[3], reps)
+
+
+_SPIN_CYCLES_PER_MS: dict[torch.device, float] = {}
+
+
+def _spin_cycles_per_ms(device: torch.device) -> float:
+    """Clock cycles of `torch.cuda._sleep` per millisecond on `device`, measured once."""
+    if device not in _SPIN_CYCLES_PER_MS:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # warm-up
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        synchronize(device)
+        _SPIN_CYCLES_PER_MS[device] = 10_000_000 / start.elapsed_time(end)
+    return _SPIN_CYCLES_PER_MS[device]
+
+
+def time_host_and_device(
+    fn: Callable[[], Any],
+    warmup: int = 3,
+    reps: int = 20,
+    device: torch.device | None = None,
+    before: Callable[[], Any] | None = None,
+) -> tuple[Timing, Timing | None]:
+    """(host, device) timings of `fn()`, each the median of `reps` calls after `warmup`.
+
+    host: from the call to its return, the device idle at the start (`before()`, e.g. a
+    barrier of ranks, runs first, untimed): the time the caller's thread spends issuing the
+    work, host synchronizations inside `fn` included. On the CPU it is the whole call.
+    device (CUDA only, else None): from the first to the last of `fn`'s GPU work, with a spin
+    kernel queued first that outlasts the host's issuing (twice the host median), so the GPU
+    finds every launch queued and the span holds no launch gaps. A synchronization inside
+    `fn` defeats the spin: the span then includes the host time after it."""
+    device = device or pick_device()
+    for _ in range(warmup):
+        if before:
+            before()
+        fn()
+    synchronize(device)
+    host: list[float] = []
+    for _ in range(reps):
+        if before:
+            before()
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+    synchronize(device)
+    q = statistics.quantiles(host, n=5) if len(host) >= 2 else [host[0]] * 4
+    host_t = Timing(statistics.median(host), q[0], q[3], reps)
+    if device.type != "cuda":
+        return host_t, None
+    spin = int(2 * host_t.p80_ms * _spin_cycles_per_ms(device)) + 1000
+    span: list[float] = []
+    for _ in range(reps):
+        if before:
+            before()
+        synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(spin)
+        start.record()
+        fn()
+        end.record()
+        synchronize(device)
+        span.append(start.elapsed_time(end))
+    q = statistics.quantiles(span, n=5) if len(span) >= 2 else [span[0]] * 4
+    return host_t, Timing(statistics.median(span), q[0], q[3], reps)
 
 
 def peak_memory(fn: Callable[[], Any], device: torch.device) -> int | None:

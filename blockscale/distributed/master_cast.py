@@ -19,9 +19,7 @@ Why this needs care: a code depends on its tile's scale, the scale on the tile a
 tensor amax, and a slice boundary cuts through tiles (and bytes). So, for all weights at once:
 
 1. Each rank computes the amaxes of the tiles its slices touch, over its own elements, into
-   one FP32 buffer holding every tile of every weight (zeros elsewhere). Its slice is padded
-   with zeros to whole bands of 16 rows (zeros change no amax) so that this is one reshape
-   and one amax per weight, whatever the offsets.
+   one FP32 buffer holding every tile of every weight (zeros elsewhere).
 2. One all-reduce (MAX) of that buffer gives every tile's amax; each weight's tensor amax is
    the max of its tiles' (both on the FP32 bits as int32, which keeps NaN: _collectives.py).
 3. Every rank computes every tile's E4M3 scale (the same bits everywhere) and the codes of its
@@ -33,8 +31,26 @@ Two collectives per step whatever the number of weights. Cost: the tile-amax all
 4 bytes per 256 weight values; the code all-reduce moves the NVFP4 codes (an all-reduce moves
 about twice what an all-gather of each rank's bytes would, but needs no agreement on the
 slices' sizes; a distributed optimizer that all-gathers its own parameter buffer can do that
-part itself). The per-weight work is a few PyTorch ops per weight (not per tile or per
-element); a fused kernel over all weights would cut the launches further and is not written.
+part itself).
+
+Two implementations of the rank's own work (steps 1 and 3), with the same bits:
+
+- CUDA weights with Triton installed (`_library.use_kernels`): kernels/master_cast.py, one
+  launch for step 1 and one for step 3 over all weights (a program per 16-row band and block
+  of tiles of each slice, found by a binary search), reading the shards in place when they
+  are consecutive views of one buffer, and one launch that lays the tile scales out on their
+  rows. With step 2's batched PyTorch ops over all tiles and three batched copies into the
+  weights (`torch._foreach_copy_`: codes, scales, amaxes), a call is a fixed set of launches
+  whatever the number of weights: 3 Triton kernels, 2 collectives, one copy of the kernels'
+  small tables (from pinned memory: no host synchronization) and 42 PyTorch ops (counted with
+  a dispatch mode, views left out; most are step 2's elementwise ops on the tile buffer).
+- Otherwise (the CPU) the PyTorch reference here: each slice padded with zeros to whole bands
+  of 16 rows (zeros change no amax), so that a weight's tile amaxes are one reshape and one
+  amax, and its codes formats/' arithmetic on the padded bands; a few ops per weight, not per
+  tile or per element.
+
+`rank_slices`, `partial_tile_amax`, `scales_and_multipliers` and `owned_codes` are those steps
+on one rank, without a process group (the tests compare the two implementations with them).
 
 The slices must partition each weight: every element owned by exactly one rank (not checked:
 an element owned twice would sum its codes).
@@ -43,17 +59,23 @@ an element owned twice would sum its codes).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from blockscale import _library
 from blockscale.distributed._collectives import all_reduce_amax
 from blockscale.distributed.weight import QuantizedWeight, quantize_weight
 from blockscale.formats import e2m1, nvfp4
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.nn.linear import Linear
 from blockscale.recipes import Format, OperandConfig, Rounding
+
+if TYPE_CHECKING:
+    from blockscale.kernels.master_cast import SliceTable
 
 TILE = 16
 
@@ -120,6 +142,149 @@ def _write_codes(out: torch.Tensor, codes: torch.Tensor, start: int) -> None:
         out[lo // 2 : hi // 2] |= e2m1.pack(codes)
 
 
+@dataclass
+class RankSlices:
+    """One rank's part of a cast: the weights' shapes and their places in the all-weights
+    buffers (first tile and first code byte of weight i, totals last), and the rank's
+    non-empty slices as (weight index, shard, start offset). With `kernels`, the kernels'
+    table of those slices (built once, used by both local steps); None runs the reference."""
+
+    shapes: list[tuple[int, int]]
+    tile_base: list[int]
+    byte_base: list[int]
+    owned: list[tuple[int, torch.Tensor, int]]
+    kernels: SliceTable | None = None
+
+
+def rank_slices(
+    shapes: Sequence[tuple[int, int]],
+    master_weight_shards: Sequence[torch.Tensor | None],
+    start_offsets: Sequence[int],
+    device: torch.device,
+    use_kernels: bool,
+) -> RankSlices:
+    """Check this rank's slices against the [rows, cols] weight shapes and lay them out."""
+    tile_base, byte_base, owned = [0], [0], []
+    for i, ((rows, cols), shard, start) in enumerate(
+        zip(shapes, master_weight_shards, start_offsets, strict=True)
+    ):
+        tile_base.append(tile_base[-1] + (rows // TILE) * (cols // TILE))
+        byte_base.append(byte_base[-1] + rows * cols // 2)
+        if shard is None or shard.numel() == 0:
+            continue
+        if start < 0 or start + shard.numel() > rows * cols:
+            raise ValueError(
+                f"weight {i} {(rows, cols)}: master slice [{start}, {start + shard.numel()}) "
+                f"is outside its {rows * cols} elements"
+            )
+        owned.append((i, shard, start))
+    slices = RankSlices(list(shapes), tile_base, byte_base, owned)
+    if use_kernels:
+        from blockscale.kernels import master_cast as kernels  # noqa: PLC0415 (needs Triton)
+
+        slices.kernels = kernels.slice_table(slices.shapes, owned, tile_base, byte_base, device)
+    return slices
+
+
+def partial_tile_amax(slices: RankSlices, device: torch.device) -> torch.Tensor:
+    """Step 1: FP32 amax of every tile of every weight over this rank's elements (0 for a tile
+    it owns none of)."""
+    if slices.kernels is not None:
+        from blockscale.kernels import master_cast as kernels  # noqa: PLC0415 (needs Triton)
+
+        return kernels.partial_tile_amax(slices.kernels)
+    tile_amax = torch.zeros(slices.tile_base[-1], dtype=torch.float32, device=device)
+    for i, shard, start in slices.owned:
+        cols = slices.shapes[i][1]
+        first, bands = _bands(shard, start, cols)
+        amax = bands.abs().view(bands.shape[0], TILE, cols // TILE, TILE).amax(dim=(1, 3))
+        at = slices.tile_base[i] + first * (cols // TILE)
+        tile_amax[at : at + amax.numel()] = amax.reshape(-1)
+    return tile_amax
+
+
+def owned_codes(slices: RankSlices, enc: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Step 3: the packed codes of this rank's elements of every weight, from every tile's
+    FP32 encode multiplier `enc`, in a buffer of all weights' codes that is zero elsewhere (a
+    byte shared with another rank holds only this rank's nibble)."""
+    if slices.kernels is not None:
+        from blockscale.kernels import master_cast as kernels  # noqa: PLC0415 (needs Triton)
+
+        return kernels.owned_codes(slices.kernels, enc)
+    codes_out = torch.zeros(slices.byte_base[-1], dtype=torch.uint8, device=device)
+    for i, shard, start in slices.owned:
+        cols = slices.shapes[i][1]
+        # padded again rather than kept from step 1: one weight's padded copy at a time
+        first, bands = _bands(shard, start, cols)
+        at = slices.tile_base[i] + first * (cols // TILE)
+        e = enc[at : at + bands.shape[0] * (cols // TILE)].view(-1, 1, cols // TILE, 1)
+        v = (bands.view(bands.shape[0], TILE, cols // TILE, TILE) * e).clamp(-e2m1.MAX, e2m1.MAX)
+        codes = e2m1.round_nearest(v).reshape(-1)
+        skip = start - first * TILE * cols
+        out = codes_out[slices.byte_base[i] : slices.byte_base[i + 1]]
+        _write_codes(out, codes[skip : skip + shard.numel()], start)
+    return codes_out
+
+
+def scales_and_multipliers(
+    slices: RankSlices, bits: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 2, after the all-reduce: from every tile's amax (as int32 bits, NaN-propagating
+    order) the weights' tensor amaxes (max of their tiles'), every tile's E4M3 scale and FP32
+    encode multiplier. Batched over all tiles of all weights."""
+    weights = len(slices.shapes)
+    if slices.kernels is not None:
+        tiles_per = slices.kernels.tiles_per  # already on the device
+    else:
+        tiles_per = torch.tensor(
+            [b - a for a, b in zip(slices.tile_base, slices.tile_base[1:])], device=device
+        )
+    # output_size: without it the size would be read back from the device (a synchronization)
+    weight_of_tile = torch.repeat_interleave(
+        torch.arange(weights, device=device), tiles_per, output_size=slices.tile_base[-1]
+    )
+    weight_bits = torch.zeros(weights, dtype=torch.int32, device=device).scatter_reduce(
+        0, weight_of_tile, bits, "amax", include_self=False
+    )
+    tile_amax, amax = bits.view(torch.float32), weight_bits.view(torch.float32)
+    amax_of_tile = amax[weight_of_tile]
+    scale = nvfp4.block_scales(tile_amax, amax_of_tile)
+    return amax, scale, nvfp4.encode_multipliers(scale, amax_of_tile)
+
+
+def _write_back(
+    targets: list[NVFP4Tensor],
+    slices: RankSlices,
+    amax: torch.Tensor,
+    scale: torch.Tensor,
+    codes: torch.Tensor,
+) -> None:
+    """Copy every weight's codes, scales (each tile's on its 16 rows) and amax into its
+    container: one batched copy per kind, not a Python loop of copies (byte copies: exact)."""
+    tiles_per = [b - a for a, b in zip(slices.tile_base, slices.tile_base[1:])]
+    bytes_per = [b - a for a, b in zip(slices.byte_base, slices.byte_base[1:])]
+    scale_bytes = scale.view(torch.uint8)  # float8 moved as bytes
+    if slices.kernels is not None:
+        from blockscale.kernels import master_cast as kernels  # noqa: PLC0415 (needs Triton)
+
+        rows = kernels.expand_tile_scales(slices.kernels, scale_bytes)
+        scale_src = list(rows.split([16 * n for n in tiles_per]))
+        scale_dst = [q.scale.view(torch.uint8).view(-1) for q in targets]
+    else:
+        scale_src = [
+            t.view(r // TILE, 1, c // TILE).expand(r // TILE, TILE, c // TILE)
+            for t, (r, c) in zip(scale_bytes.split(tiles_per), slices.shapes, strict=True)
+        ]
+        scale_dst = [
+            q.scale.view(torch.uint8).view(r // TILE, TILE, c // TILE)
+            for q, (r, c) in zip(targets, slices.shapes, strict=True)
+        ]
+    with torch.no_grad():
+        torch._foreach_copy_(scale_dst, scale_src)
+        torch._foreach_copy_([q.data.view(-1) for q in targets], list(codes.split(bytes_per)))
+        torch._foreach_copy_([q.amax for q in targets], list(amax.unbind(0)))
+
+
 def cast_master_weights_to_nvfp4(
     model_weights: Sequence[QuantizedWeight | NVFP4Tensor],
     master_weight_shards: Sequence[torch.Tensor | None],
@@ -128,7 +293,9 @@ def cast_master_weights_to_nvfp4(
 ) -> None:
     """Write every rank's slices of the flat FP32 masters into the shared NVFP4 weights, in
     place, bit-identical to quantizing each whole weight on one rank (see the module
-    docstring). Collective: every rank of `group` calls it with the same `model_weights`."""
+    docstring). Collective: every rank of `group` calls it with the same `model_weights`.
+    CUDA weights run the Triton kernels when Triton is installed, others the PyTorch
+    reference (`_library.use_kernels`); both give the same bits."""
     if not len(model_weights) == len(master_weight_shards) == len(start_offsets):
         raise ValueError(
             f"{len(model_weights)} weights, {len(master_weight_shards)} master shards and "
@@ -138,64 +305,17 @@ def cast_master_weights_to_nvfp4(
     if not targets:
         return
     device = targets[0].data.device
-    tiles_per = [(q.shape[0] // TILE) * (q.shape[1] // TILE) for q in targets]
-    bytes_per = [q.data.numel() for q in targets]
-    tile_base = [0, *torch.tensor(tiles_per).cumsum(0).tolist()]
-    byte_base = [0, *torch.tensor(bytes_per).cumsum(0).tolist()]
+    shapes = [(q.shape[0], q.shape[1]) for q in targets]
+    slices = rank_slices(
+        shapes, master_weight_shards, start_offsets, device, _library.use_kernels(targets[0].data)
+    )
 
     # 1. this rank's partial tile amaxes, every weight in one buffer
-    tile_amax = torch.zeros(tile_base[-1], dtype=torch.float32, device=device)
-    owned = []
-    for i, (q, shard, start) in enumerate(
-        zip(targets, master_weight_shards, start_offsets, strict=True)
-    ):
-        if shard is None or shard.numel() == 0:
-            continue
-        rows, cols = q.shape
-        if start < 0 or start + shard.numel() > rows * cols:
-            raise ValueError(
-                f"weight {i} {tuple(q.shape)}: master slice [{start}, {start + shard.numel()}) "
-                f"is outside its {rows * cols} elements"
-            )
-        first, bands = _bands(shard, start, cols)
-        amax = bands.abs().view(bands.shape[0], TILE, cols // TILE, TILE).amax(dim=(1, 3))
-        at = tile_base[i] + first * (cols // TILE)
-        tile_amax[at : at + amax.numel()] = amax.reshape(-1)
-        owned.append((i, shard, start))
-
+    tile_amax = partial_tile_amax(slices, device)
     # 2. one all-reduce for every tile amax; tensor amaxes are the max of their tiles'
     bits = all_reduce_amax(tile_amax, group).view(torch.int32)
-    weight_of_tile = torch.repeat_interleave(
-        torch.arange(len(targets), device=device), torch.tensor(tiles_per, device=device)
-    )
-    weight_bits = torch.zeros(len(targets), dtype=torch.int32, device=device).scatter_reduce(
-        0, weight_of_tile, bits, "amax", include_self=False
-    )
-    tile_amax, amax = bits.view(torch.float32), weight_bits.view(torch.float32)
-    amax_of_tile = amax[weight_of_tile]
-    scale = nvfp4.block_scales(tile_amax, amax_of_tile)
-    enc = nvfp4.encode_multipliers(scale, amax_of_tile)
-
+    amax, scale, enc = scales_and_multipliers(slices, bits, device)
     # 3. codes of owned elements into one zeroed byte buffer; one all-reduce assembles them
-    codes_out = torch.zeros(byte_base[-1], dtype=torch.uint8, device=device)
-    for i, shard, start in owned:
-        cols = targets[i].shape[1]
-        # padded again rather than kept from step 1: one weight's padded copy at a time
-        first, bands = _bands(shard, start, cols)
-        at = tile_base[i] + first * (cols // TILE)
-        e = enc[at : at + bands.shape[0] * (cols // TILE)].view(-1, 1, cols // TILE, 1)
-        v = (bands.view(bands.shape[0], TILE, cols // TILE, TILE) * e).clamp(-e2m1.MAX, e2m1.MAX)
-        codes = e2m1.round_nearest(v).reshape(-1)
-        skip = start - first * TILE * cols
-        out = codes_out[byte_base[i] : byte_base[i + 1]]
-        _write_codes(out, codes[skip : skip + shard.numel()], start)
-    dist.all_reduce(codes_out, op=dist.ReduceOp.SUM, group=group)
-
-    with torch.no_grad():
-        for i, q in enumerate(targets):
-            rows, cols = q.shape
-            tiles = scale[tile_base[i] : tile_base[i + 1]].view(rows // TILE, cols // TILE)
-            rows_of_tiles = tiles.view(torch.uint8).repeat_interleave(TILE, dim=0)
-            q.scale.view(torch.uint8).copy_(rows_of_tiles)  # float8 moved as bytes
-            q.data.view(-1).copy_(codes_out[byte_base[i] : byte_base[i + 1]])
-            q.amax.copy_(amax[i])
+    codes = owned_codes(slices, enc, device)
+    dist.all_reduce(codes, op=dist.ReduceOp.SUM, group=group)
+    _write_back(targets, slices, amax, scale, codes)
