@@ -90,6 +90,24 @@ def _with_constants(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+_TRACING_MODES = (
+    torch._C._TorchDispatchModeKey.FAKE,
+    torch._C._TorchDispatchModeKey.FUNCTIONAL,
+    torch._C._TorchDispatchModeKey.PROXY,
+)
+
+
+def _tracing() -> bool:
+    """Whether a call must go through the registered op rather than launch its kernel: under
+    Dynamo, and also where a trace runs our code with fake tensors outside Dynamo's frame (the
+    converted experts' `nonstrict_trace` call runs its body under FakeTensorMode, where
+    `is_compiling()` is False and a direct launch fails: "Cannot access data pointer of
+    Tensor"). One C lookup per mode, no Python walk over the arguments."""
+    return torch.compiler.is_compiling() or any(
+        torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES
+    )
+
+
 def library_op(
     name: str, mutates_args: Iterable[str] = (), triton: bool = False
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -102,7 +120,7 @@ def library_op(
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            if torch.compiler.is_compiling() or (triton and set_wrap_triton_enabled is None):
+            if _tracing() or (triton and set_wrap_triton_enabled is None):
                 return op(*args, **kwargs)
             if triton:
                 # what triton_op's own eager path does: wrap_triton launches the kernel

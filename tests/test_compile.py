@@ -108,7 +108,9 @@ def test_gpu_compiled_stochastic_rounding_is_reproducible_under_a_seed():
 
 class _Launch:
     """Stands in for torch.library.wrap_triton on the CPU, where it refuses interpreted kernels
-    under tracing: real tensors launch the kernel in the interpreter; under a trace the launch
+    under tracing: real tensors launch the kernel in the interpreter; a direct launch
+    (wrap_triton disabled, as the library's eager route does) of traced tensors fails as it
+    does on the GPU; under a trace the launch
     is skipped (the kernel HOP's fake impl does nothing), except that a functional trace reads
     every traced argument, as the functional HOP does (real tensors are constants it captures
     as they are)."""
@@ -117,12 +119,18 @@ class _Launch:
         self.kernel = kernel
 
     def __getitem__(self, grid):
+        from torch._library.triton import is_wrap_triton_enabled
         from torch._subclasses.fake_tensor import FakeTensor
         from torch._subclasses.functional_tensor import FunctionalTensor
 
         def launch(*args, **kwargs):
             tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            if not any(isinstance(t, (FakeTensor, FunctionalTensor)) for t in tensors):
+            traced = any(isinstance(t, (FakeTensor, FunctionalTensor)) for t in tensors)
+            if traced and not is_wrap_triton_enabled():
+                # the direct launch the library's eager route asks for: on the GPU it needs
+                # real data pointers and fails on traced tensors the same way
+                raise RuntimeError("Cannot access data pointer of Tensor (e.g. FakeTensor)")
+            if not traced:
                 return self.kernel[grid](*args, **kwargs)
             if any(isinstance(t, FunctionalTensor) for t in tensors):
                 for t in tensors:
@@ -145,6 +153,29 @@ def kernel_path_on_cpu(monkeypatch):
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+def test_library_ops_under_a_fake_trace_outside_dynamo_take_the_op_route(
+    kernel_path_on_cpu, monkeypatch
+):
+    """torch 2.11 runs a nonstrict_trace body (a converted experts' call) under FakeTensorMode
+    with torch.compiler.is_compiling() False; the library's eager route then launched the
+    kernel directly on fake tensors and Dynamo reported "Unsupported output type for
+    nonstrict_trace-ed function" on an H100. Any active trace mode must select the op (whose
+    fake impl only allocates). is_compiling is pinned False here, as torch 2.11 had it."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from blockscale import kernels
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.randn(64, 64))
+        a = kernels.amax(x)
+        q = kernels.nvfp4_quantize(x, amax=a)
+    assert isinstance(a, FakeTensor) and a.shape == ()
+    assert isinstance(q.data, FakeTensor) and q.data.shape == (64, 32)
+    real = torch.randn(64, 64)
+    assert torch.equal(kernels.amax(real), real.abs().amax())  # eager: still launches
 
 
 def test_compile_first_kernel_path_caches_no_fake_hadamard(kernel_path_on_cpu):
