@@ -250,7 +250,21 @@ def _run_routed(
     kwargs: dict,
 ) -> Any:
     """The original forward with `tensors` bound and grouped_mm routed. `state` is read by the
-    caller for Dynamo's guards (see `_RoutedExperts`); the modules hold the same values."""
+    caller for Dynamo's guards (see `_RoutedExperts`); the modules hold the same values.
+
+    Where the nonstrict call itself fails to trace, Dynamo breaks the graph and then traces
+    this frame as ordinary code, where `torch._grouped_mm` bypasses the router (module
+    docstring): the experts would compile unquantized, forward and backward, with no error
+    (seen on torch 2.11 before the library ops took the op route under fake tensors). That
+    trace is sent to the eager run instead: a graph break, but blockscale's numerics."""
+    if torch.compiler.is_dynamo_compiling():
+        return _run_routed_eagerly(experts, tensors, args, kwargs)
+    return _routed_body(experts, tensors, args, kwargs)
+
+
+def _routed_body(
+    experts: _ExpertsForward, tensors: dict[str, torch.Tensor], args: tuple, kwargs: dict
+) -> Any:
     module = experts.module
     with _bound(module, tensors), _GroupedMMRouter(module) as router:
         output = experts.forward(module, *args, **kwargs)
@@ -264,6 +278,9 @@ def _run_routed(
             stacklevel=2,
         )
     return output
+
+
+_run_routed_eagerly = torch.compiler.disable(_routed_body, recursive=True)
 
 
 @contextmanager
