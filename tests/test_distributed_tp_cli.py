@@ -107,6 +107,22 @@ def test_resume_on_two_ranks_is_exact(tensor_parallel, tmp_path):
     assert rows(copy) == rows(run_dir)
 
 
+def test_a_two_rank_checkpoint_resumes_on_one_rank(tensor_parallel, tmp_path):
+    # DCP reshards: one rank holds every head again (the stacked weights were written as
+    # contiguous pieces of the one-device tensors)
+    run_dir, _ = tensor_parallel
+    copy = resumed_from(run_dir, 3, tmp_path)
+    launch(1, copy, "--resume", "--quiet")
+    got, want = rows(copy), rows(run_dir)
+    assert got[:4] == want[:4]  # the rows up to the checkpoint, kept
+    assert [r["kind"] for r in got] == [r["kind"] for r in want]
+    for g, w in zip(got, want, strict=True):
+        key = "loss" if g["kind"] == "train" else "val_loss"
+        # one rank sums the row-wise contractions whole: FP32 order, as against one process
+        assert g[key] == pytest.approx(w[key], rel=1e-5, abs=0), (g, w)
+    assert json.loads((copy / "summary.json").read_text())["ranks"] == 1
+
+
 def test_a_tp_checkpoint_evaluates_in_one_process(tensor_parallel):
     run_dir, _ = tensor_parallel
     last_eval = [r for r in read_metrics(run_dir) if r["kind"] == "eval"][-1]
