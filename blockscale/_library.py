@@ -97,7 +97,7 @@ _TRACING_MODES = (
 )
 
 
-def _tracing() -> bool:
+def tracing() -> bool:
     """Whether a call must go through the registered op rather than launch its kernel: under
     Dynamo, and also where a trace runs our code with fake tensors outside Dynamo's frame (the
     converted experts' `nonstrict_trace` call runs its body under FakeTensorMode, where
@@ -120,7 +120,7 @@ def library_op(
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            if _tracing() or (triton and set_wrap_triton_enabled is None):
+            if tracing() or (triton and set_wrap_triton_enabled is None):
                 return op(*args, **kwargs)
             if triton:
                 # what triton_op's own eager path does: wrap_triton launches the kernel

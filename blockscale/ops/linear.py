@@ -22,6 +22,17 @@ never the high-precision input when the recipe quantizes it; an NVFP4 layer save
 quarter of what a BF16 layer saves. The price is that input_t is quantized in the forward,
 whether or not a backward follows (`torch.no_grad()` skips it: nothing is saved then).
 
+Shared input: layers that read the same input tensor one after another (q/k/v projections,
+gate/up) quantize it once. The last forward's quantized input (both copies) is kept with a
+weak reference to the input and its version counter; the next forward that gets the very
+same tensor, unmodified, with the same two input configs reuses the copies, and saves the same
+packed input_t (one saved copy for the three projections, not three). Only deterministic
+configs are shared (round-to-nearest: stochastic draws must stay independent per layer), only
+eager (a trace computes each quantization; `SHARE_INPUT_QUANTIZATION = False` turns sharing
+off), and not under tensor parallel's amax reduction. The kept copies (including the `_dq`
+operand, which the next sharing GEMM reads instead of a new one) live until a forward with
+another input replaces them or a backward starts. The bits are those of separate quantizations.
+
 Tokens: any leading dims are flattened to M. The grad_weight operands are quantized along M,
 so M is zero-padded to the block size when it is not a multiple of it. Zero rows change neither
 a block's amax nor the product (the Hadamard transform is orthogonal and applied to both
@@ -57,6 +68,8 @@ may become one FMA); `EXACT_INDUCTOR_OPTIONS` restores eager's numerics:
 from __future__ import annotations
 
 import sys
+import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +77,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from blockscale._library import tracing
 from blockscale.gemm.dispatch import Backend, Transposed, resolve_backend, scaled_mm
 from blockscale.ops.quantize import (
     HighPrecisionTensor,
@@ -75,7 +89,7 @@ from blockscale.ops.quantize import (
     rows_and_tokens_amax,
     save_operand,
 )
-from blockscale.recipes import Format, OperandConfig, Recipe
+from blockscale.recipes import Format, OperandConfig, Recipe, Rounding
 
 Operand = QuantizedOperand | Transposed
 
@@ -179,6 +193,71 @@ def _reduced(
     return [None if a is None else next(whole) for a in amaxes]
 
 
+# Whether consecutive forwards on the same input tensor share its quantization (module docstring).
+SHARE_INPUT_QUANTIZATION = True
+
+
+class _SharedInput(threading.local):
+    """The last forward's quantized input, per thread (module docstring, "Shared input")."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.ref: weakref.ref | None = None
+        self.version = -1
+        self.key: tuple = ()
+        self.value: tuple | None = None
+
+    def get(self, input: torch.Tensor, key: tuple) -> tuple | None:
+        if self.ref is None or self.ref() is not input:
+            return None
+        if input._version != self.version or self.key != key:
+            return None
+        return self.value
+
+    def put(self, input: torch.Tensor, key: tuple, value: tuple) -> None:
+        self.ref, self.version, self.key, self.value = (
+            weakref.ref(input),
+            input._version,
+            key,
+            value,
+        )
+
+
+_SHARED = _SharedInput()
+
+
+def _shareable(*configs: OperandConfig | None) -> bool:
+    return (
+        SHARE_INPUT_QUANTIZATION
+        and not tracing()
+        and all(c is None or c.rounding is Rounding.NEAREST for c in configs)
+    )
+
+
+def _quantized_input(
+    input: torch.Tensor,
+    x: torch.Tensor,
+    row_cfg: OperandConfig,
+    wgrad_cfg: OperandConfig | None,
+    x_amax: torch.Tensor | None,
+    tokens_amax: torch.Tensor | None,
+) -> tuple:
+    """(input_lp, input_t) of `x` (input flattened), reused from the previous forward when it
+    quantized the same unmodified tensor the same way."""
+    if x_amax is not None or tokens_amax is not None or not _shareable(row_cfg, wgrad_cfg):
+        return quantize_rows_and_tokens(
+            x, row_cfg, wgrad_cfg, row_amax=x_amax, tokens_amax=tokens_amax
+        )
+    key = (row_cfg, wgrad_cfg, x.shape)
+    found = _SHARED.get(input, key)
+    if found is None:
+        found = quantize_rows_and_tokens(x, row_cfg, wgrad_cfg)
+        _SHARED.put(input, key, found)
+    return found
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -211,8 +290,8 @@ class _Linear(torch.autograd.Function):
                     nvfp4 = [c for c in configs if c.format is Format.NVFP4]
                     local[2] = operand_amax(weight, nvfp4[0]) if nvfp4 else None
                 x_amax, tokens_amax, w_amax = _reduced(sharded, local)
-            x_lp, input_t = quantize_rows_and_tokens(
-                x, recipe.output.input, wgrad_cfg, row_amax=x_amax, tokens_amax=tokens_amax
+            x_lp, input_t = _quantized_input(
+                input, x, recipe.output.input, wgrad_cfg, x_amax, tokens_amax
             )
             w_lp = weight_operand(weight, recipe.output.weight, dq=True, amax=w_amax)
             out = _mm(x_lp, w_lp, out_dtype, out_dtype, backend, bias)
@@ -238,6 +317,7 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        _SHARED.clear()  # the forward's last kept input copies are not needed past here
         recipe: Recipe = ctx.recipe
         saved = ctx.saved_tensors
         n = ctx.n_weight_tensors

@@ -1,0 +1,168 @@
+"""Layers that read the same input tensor quantize it once (ops/linear.py, "Shared input"):
+the q/k/v projections and gate/up of a transformer block. Sharing must give the bits of
+separate quantizations, forward and backward, keep one saved copy instead of three, and
+never share what it must not: a modified input, another config, stochastic rounding."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import pytest
+import torch
+from torch import nn
+
+import blockscale.nn as bsnn
+from blockscale import recipes
+from blockscale.recipes import Rounding
+
+ops_linear = importlib.import_module("blockscale.ops.linear")  # the module, not ops.linear()
+
+RECIPE = recipes.get("nvfp4", stochastic_rounding=False)
+DIM = 64
+
+
+class QKV(nn.Module):
+    """Three projections of one input, as an attention block calls them."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(DIM, DIM, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        return self.q(x) * self.k(x) + self.v(x)
+
+
+@pytest.fixture
+def count(monkeypatch):
+    """The input quantizations of forwards (calls of quantize_rows_and_tokens from _Linear's
+    forward path; the backward's grad_output quantizations are not counted)."""
+    calls = []
+    original = ops_linear.quantize_rows_and_tokens
+
+    def counted(x, row, tokens, *args, **kwargs):
+        if not kwargs.get("tokens_dq"):  # the backward asks for the token copy's `_dq`
+            calls.append(tuple(x.shape))
+        return original(x, row, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(ops_linear, "quantize_rows_and_tokens", counted)
+    return calls
+
+
+def step(model, x):
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(True)
+    out = model(x)
+    out.square().sum().backward()
+    return out, x.grad, [p.grad for p in model.parameters()]
+
+
+def converted(recipe=RECIPE):
+    torch.manual_seed(0)
+    return bsnn.convert(QKV(), recipe)
+
+
+def test_three_projections_quantize_their_input_once_with_the_same_bits(count, monkeypatch):
+    x = torch.randn(48, DIM)
+    model = converted()
+    shared = step(model, x)
+    assert len(count) == 1
+    count.clear()
+    monkeypatch.setattr(ops_linear, "SHARE_INPUT_QUANTIZATION", False)
+    separate = step(model, x)
+    assert len(count) == 3
+    for name, a, b in zip(("output", "grad_input"), shared[:2], separate[:2], strict=True):
+        assert torch.equal(a, b), name
+    for a, b in zip(shared[2], separate[2], strict=True):
+        assert torch.equal(a, b)
+
+
+def saved_storages(model, x) -> int:
+    storages = set()
+
+    def pack(t):
+        storages.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x.detach().requires_grad_(True))
+    return len(storages)
+
+
+def test_the_three_layers_save_one_copy_of_the_input(monkeypatch):
+    x = torch.randn(48, DIM)
+    model = converted()
+    shared = saved_storages(model, x)
+    monkeypatch.setattr(ops_linear, "SHARE_INPUT_QUANTIZATION", False)
+    separate = saved_storages(model, x)
+    # each layer saves its weight's copy and the input's token copy (codes, scales, amax);
+    # sharing saves the input's once
+    assert separate - shared >= 2 * 2, (shared, separate)
+
+
+def test_a_modified_input_or_another_tensor_is_quantized_again(count):
+    model = converted()
+    x = torch.randn(48, DIM)
+    with torch.no_grad():
+        model.q(x)
+        model.k(x)
+        x.mul_(2)  # in place: a new version of the same tensor
+        model.v(x)
+        model.q(x.clone())  # equal values, another tensor
+    assert len(count) == 3
+
+
+def test_another_recipe_or_stochastic_rounding_is_not_shared(count):
+    x = torch.randn(48, DIM)
+    with torch.no_grad():
+        torch.manual_seed(0)
+        a, b = (
+            bsnn.convert(nn.Linear(DIM, DIM), RECIPE),
+            bsnn.convert(nn.Linear(DIM, DIM), recipes.get("mxfp8")),
+        )
+        a(x), b(x)
+        assert len(count) == 2
+        rec = RECIPE
+        sr_input = dataclasses.replace(rec.output.input, rounding=Rounding.STOCHASTIC)
+        sr = dataclasses.replace(rec, output=dataclasses.replace(rec.output, input=sr_input))
+        c, d = bsnn.convert(nn.Linear(DIM, DIM), sr), bsnn.convert(nn.Linear(DIM, DIM), sr)
+        c(x), d(x)
+    assert len(count) == 4
+
+
+def test_backward_releases_the_kept_copies():
+    model = converted()
+    x = torch.randn(48, DIM, requires_grad=True)
+    model(x).sum().backward()
+    assert ops_linear._SHARED.value is None
+
+
+def test_hf_llama_block_quantizes_four_inputs_per_layer(count, monkeypatch):
+    """A converted transformers Llama: q/k/v share one quantization and gate/up another, so a
+    forward quantizes 4 inputs per layer (attention input, o_proj's, MLP input, down_proj's)
+    instead of 7; a training step gives the same losses and gradients bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=DIM, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    bsnn.convert(model, RECIPE, module_filter_fn=lambda m, fqn: "layers" in fqn)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+
+    def train_step():
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    loss, grads = train_step()
+    assert len(count) == 4 * cfg.num_hidden_layers
+    monkeypatch.setattr(ops_linear, "SHARE_INPUT_QUANTIZATION", False)
+    count.clear()
+    loss_separate, grads_separate = train_step()
+    assert len(count) == 7 * cfg.num_hidden_layers
+    assert torch.equal(loss, loss_separate)
+    for a, b in zip(grads, grads_separate, strict=True):
+        assert torch.equal(a, b)
