@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import blockscale as bs
 from blockscale.distributed import apply_tensor_parallel, check_tensor_parallel
@@ -34,6 +35,8 @@ from blockscale.distributed._collectives import all_reduce_amax
 from blockscale.distributed.launch import run_local
 from blockscale.models import ModelConfig, build_model, model_config
 from blockscale.ops import quantize_operand
+from blockscale.train.build import build_optimizer
+from blockscale.train.config import TrainConfig
 
 WORLD = 2
 U = 2.0**-24
@@ -183,6 +186,16 @@ def _tp_model_worker(rank: int, world_size: int) -> None:
         if size == "moe-tiny":  # the attention split, the experts whole on every rank
             assert hasattr(model.layers[0].attn.wqkv.weight, "placements")
             assert not hasattr(model.layers[0].moe.experts.gate_up_proj, "placements")
+
+    # CUDA's fused AdamW refuses a param group mixing DTensors and plain tensors (seen on an
+    # H100 under train --tp; the CPU's fused AdamW accepts it, so the groups are checked)
+    groups = build_optimizer(model, TrainConfig(), torch.device("cpu")).param_groups
+    assert all(len({isinstance(p, DTensor) for p in g["params"]}) == 1 for g in groups)
+    assert sorted(id(p) for g in groups for p in g["params"]) == sorted(
+        id(p) for p in model.parameters()
+    )
+    for g in groups:
+        assert all((p.dim() >= 2) == (g["weight_decay"] > 0) for p in g["params"])
 
 
 def test_own_models_under_tensor_parallel_equal_one_process():

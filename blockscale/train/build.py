@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -142,12 +143,25 @@ def build_optimizer(
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": params, "weight_decay": wd}
+        for group, wd in ((decay, cfg.weight_decay), (no_decay, 0.0))
+        for params in _by_kind(group)
     ]
     return torch.optim.AdamW(
         groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda"
     )
+
+
+def _by_kind(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    """`params` as one list, or, where some are DTensors (`--tp` splits the blocks' linears and
+    leaves the rest plain), the DTensors and the plain tensors apart: CUDA's fused AdamW runs
+    one multi-tensor kernel per group and refuses a group that mixes the two."""
+    module = sys.modules.get("torch.distributed.tensor")  # loaded by whoever made a DTensor
+    if module is None:
+        return [params]
+    split = [[p for p in params if isinstance(p, module.DTensor)]]
+    split.append([p for p in params if not isinstance(p, module.DTensor)])
+    return [kind for kind in split if kind] if split[0] else [params]
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
