@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import signal
 import sys
 import time
@@ -382,6 +383,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--inline-triton", action="store_true",
                         help="let AOTAutograd decompose the Triton ops (torch's triton_op "
                              "default; blockscale keeps them opaque)")  # fmt: skip
+    parser.add_argument("--no-shared-input", action="store_true",
+                        help="quantize every layer's input on its own (ops/linear.py's "
+                             "SHARE_INPUT_QUANTIZATION off: q/k/v and gate/up each quantize it)")  # fmt: skip
     parser.add_argument("--device", default=None)
     parser.add_argument("--quick", action="store_true",
                         help="CPU smoke test: batch 2, sequence 32, 1 warm-up, 2 steps")  # fmt: skip
@@ -405,6 +409,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         recipes.get(r)  # an unknown name fails before any model is built
     modes = ["eager"] if args.eager else ["compile"] if args.compile else ["eager", "compile"]
     _library.INLINE_TRITON_KERNELS = args.inline_triton
+    importlib.import_module(
+        "blockscale.ops.linear"
+    ).SHARE_INPUT_QUANTIZATION = not args.no_shared_input
     info = harness.banner(device)
     rows: list[dict[str, Any]] = []
     for name in models:
@@ -421,6 +428,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                               "argv": sys.argv[1:] if argv is None else argv,
                               "batch_size": args.batch_size, "seq_len": args.seq_len,
                               "inline_triton": args.inline_triton,
+                              "shared_input": not args.no_shared_input,
                               "compile_mode": args.compile_mode, "rows": rows}  # fmt: skip
                     harness.write_json(args.out, record)
     add_ratios(rows)
