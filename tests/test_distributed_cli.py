@@ -106,6 +106,34 @@ def sharded(request, tmp_path_factory):
     return request.param, out, done.stdout
 
 
+def assert_run_folder_files(run_dir: Path) -> None:
+    """What a finished run folder holds, written by rank 0 alone (no per-rank files)."""
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "checkpoints",
+        "config.json",
+        "metrics.jsonl",
+        "summary.json",
+    ]
+
+
+def assert_two_rank_run_files(run_dir: Path) -> None:
+    """Rank 0's files only, and every checkpoint DCP's two shards with the two ranks' loop
+    states and a manifest that verifies; no temporary folder left."""
+    assert_run_folder_files(run_dir)
+    for folder in ckpt.checkpoint_dirs(run_dir):
+        names = sorted(p.name for p in folder.iterdir())
+        assert names == [
+            ".metadata",
+            "__0_0.distcp",
+            "__1_0.distcp",
+            "manifest.json",
+            "rank_0.safetensors",
+            "rank_1.safetensors",
+        ]
+        assert ckpt.is_sharded(folder) and ckpt.verify(folder)
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+
+
 def test_rank_0_alone_writes_the_run(sharded):
     recipe, run_dir, stdout = sharded
     assert stdout.count("run directory:") == 1  # rank 0 alone prints
@@ -119,24 +147,7 @@ def test_rank_0_alone_writes_the_run(sharded):
     assert [r["step"] for r in found if r["kind"] == "eval"] == [3, 6]
     assert {r["kind"] for r in found} == {"train", "eval"}
     assert found[0]["tokens"] == 2 * 2 * 32  # the global batch: 2 ranks x 2 sequences
-    assert sorted(p.name for p in run_dir.iterdir()) == [
-        "checkpoints",
-        "config.json",
-        "metrics.jsonl",
-        "summary.json",
-    ]
-    for folder in ckpt.checkpoint_dirs(run_dir):
-        names = sorted(p.name for p in folder.iterdir())
-        assert names == [
-            ".metadata",
-            "__0_0.distcp",
-            "__1_0.distcp",
-            "manifest.json",
-            "rank_0.safetensors",
-            "rank_1.safetensors",
-        ]
-        assert ckpt.is_sharded(folder) and ckpt.verify(folder)
-    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+    assert_two_rank_run_files(run_dir)
 
 
 def test_losses_equal_one_process_with_the_same_flags(sharded, tmp_path):

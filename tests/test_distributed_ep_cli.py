@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 import test_distributed_cli as fsdp_cli
-from test_distributed_cli import STEPS, resumed_from, rows, run_flags
+from test_distributed_cli import STEPS, assert_run_folder_files, resumed_from, rows, run_flags
 
 from blockscale.cli import main
 from blockscale.train import TrainConfig, eval_run, read_metrics, train
@@ -75,12 +75,7 @@ def test_rank_0_alone_writes_the_run(expert_parallel):
     assert found[0]["tokens"] == 2 * 2 * 32  # the global batch: 2 ranks x 2 sequences
     # every token goes to top_k=2 experts: the group's 128 tokens, counted once
     assert all(sum(n) == 2 * 128 for n in found[0]["expert_tokens"].values())
-    assert sorted(p.name for p in run_dir.iterdir()) == [
-        "checkpoints",
-        "config.json",
-        "metrics.jsonl",
-        "summary.json",
-    ]
+    assert_run_folder_files(run_dir)
     for folder in ckpt.checkpoint_dirs(run_dir):
         assert ckpt.is_sharded(folder) and ckpt.verify(folder)
         assert {"rank_0.safetensors", "rank_1.safetensors"} <= {p.name for p in folder.iterdir()}

@@ -26,11 +26,17 @@ from pathlib import Path
 
 import pytest
 import test_distributed_cli as fsdp_cli
-from test_distributed_cli import STEPS, resumed_from, rows, run_flags, split_grad_norm
+from test_distributed_cli import (
+    STEPS,
+    assert_two_rank_run_files,
+    resumed_from,
+    rows,
+    run_flags,
+    split_grad_norm,
+)
 
 from blockscale.cli import main
 from blockscale.train import TrainConfig, eval_run, read_metrics, train
-from blockscale.train import checkpoint as ckpt
 
 RUN = [*run_flags("tiny"), "--recipe", "nvfp4", "--no-stochastic-rounding", "--grad-clip", "0"]
 
@@ -66,23 +72,7 @@ def test_rank_0_alone_writes_the_run(tensor_parallel):
     assert [r["step"] for r in found if r["kind"] == "train"] == list(range(1, STEPS + 1))
     assert [r["step"] for r in found if r["kind"] == "eval"] == [3, 6]
     assert found[0]["tokens"] == 2 * 32
-    assert sorted(p.name for p in run_dir.iterdir()) == [
-        "checkpoints",
-        "config.json",
-        "metrics.jsonl",
-        "summary.json",
-    ]
-    for folder in ckpt.checkpoint_dirs(run_dir):
-        assert sorted(p.name for p in folder.iterdir()) == [
-            ".metadata",
-            "__0_0.distcp",
-            "__1_0.distcp",
-            "manifest.json",
-            "rank_0.safetensors",
-            "rank_1.safetensors",
-        ]
-        assert ckpt.is_sharded(folder) and ckpt.verify(folder)
-    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+    assert_two_rank_run_files(run_dir)
 
 
 def test_losses_match_one_process_with_the_same_flags(tensor_parallel, tmp_path):
