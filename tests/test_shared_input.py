@@ -112,6 +112,20 @@ def test_a_modified_input_or_another_tensor_is_quantized_again(count):
     assert len(count) == 3
 
 
+def test_inference_mode_runs_and_does_not_share(count):
+    """Inference tensors have no version counter, so an in-place change could not be told."""
+    model = converted()
+    with torch.inference_mode():
+        x = torch.randn(48, DIM)
+        first = model.q(x)
+        x.mul_(2)
+        second = model.k(x)
+    assert len(count) == 2
+    with torch.no_grad():
+        assert torch.equal(second, model.k(x.clone()))
+        assert torch.equal(first, model.q(x.clone() / 2))
+
+
 def test_another_recipe_or_stochastic_rounding_is_not_shared(count):
     x = torch.randn(48, DIM)
     with torch.no_grad():

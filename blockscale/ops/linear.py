@@ -29,7 +29,8 @@ same tensor, unmodified, with the same two input configs reuses the copies, and 
 packed input_t (one saved copy for the three projections, not three). Only deterministic
 configs are shared (round-to-nearest: stochastic draws must stay independent per layer), only
 eager (a trace computes each quantization; `SHARE_INPUT_QUANTIZATION = False` turns sharing
-off), and not under tensor parallel's amax reduction. The kept copies (including the `_dq`
+off), not under tensor parallel's amax reduction, and not for inference tensors (made under
+`torch.inference_mode()`, they have no version counter). The kept copies (including the `_dq`
 operand, which the next sharing GEMM reads instead of a new one) live until a forward with
 another input replaces them or a backward starts. The bits are those of separate quantizations.
 
@@ -246,7 +247,12 @@ def _quantized_input(
 ) -> tuple:
     """(input_lp, input_t) of `x` (input flattened), reused from the previous forward when it
     quantized the same unmodified tensor the same way."""
-    if x_amax is not None or tokens_amax is not None or not _shareable(row_cfg, wgrad_cfg):
+    if (
+        x_amax is not None
+        or tokens_amax is not None
+        or input.is_inference()  # no version counter to tell an in-place change by
+        or not _shareable(row_cfg, wgrad_cfg)
+    ):
         return quantize_rows_and_tokens(
             x, row_cfg, wgrad_cfg, row_amax=x_amax, tokens_amax=tokens_amax
         )
