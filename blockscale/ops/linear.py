@@ -248,10 +248,10 @@ def _quantized_input(
     """(input_lp, input_t) of `x` (input flattened), reused from the previous forward when it
     quantized the same unmodified tensor the same way."""
     if (
-        x_amax is not None
+        not _shareable(row_cfg, wgrad_cfg)
+        or x_amax is not None
         or tokens_amax is not None
         or input.is_inference()  # no version counter to tell an in-place change by
-        or not _shareable(row_cfg, wgrad_cfg)
     ):
         return quantize_rows_and_tokens(
             x, row_cfg, wgrad_cfg, row_amax=x_amax, tokens_amax=tokens_amax
@@ -323,7 +323,8 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        _SHARED.clear()  # the forward's last kept input copies are not needed past here
+        if not tracing():  # a traced backward keeps no eager state to release
+            _SHARED.clear()  # the forward's last kept input copies are not needed past here
         recipe: Recipe = ctx.recipe
         saved = ctx.saved_tensors
         n = ctx.n_weight_tensors
