@@ -256,6 +256,24 @@ def average_replicated_grads(model: torch.nn.Module, ranks: Ranks) -> None:
         offset += g.numel()
 
 
+def _global_norm(
+    local: list[torch.Tensor], replicated: list[torch.Tensor], ranks: Ranks
+) -> torch.Tensor:
+    """The whole model's gradient norm: the squared norm of each rank's own gradients summed
+    over the ranks, plus the replicated gradients' (the same on every rank) once."""
+    device = next((g.device for g in (*local, *replicated)), torch.device("cpu"))
+
+    def squared(grads: list[torch.Tensor]) -> torch.Tensor:
+        if not grads:
+            return torch.zeros((), device=device)
+        return torch.nn.utils.get_total_norm(grads).float() ** 2
+
+    local_sq = squared(local)
+    if ranks.world_size > 1:
+        dist.all_reduce(local_sq)
+    return (squared(replicated) + local_sq).sqrt()
+
+
 def clip_expert_parallel(model: torch.nn.Module, max_norm: float, ranks: Ranks) -> torch.Tensor:
     """clip_grad_norm_ over the whole model of an --ep run: the replicated gradients' squared
     norm once, plus the local experts' summed over the ranks; every rank then scales by the
@@ -264,17 +282,7 @@ def clip_expert_parallel(model: torch.nn.Module, max_norm: float, ranks: Ranks) 
     params = [p for p in model.parameters() if p.grad is not None]
     shared = [p.grad for p in params if id(p) not in experts]
     own = [p.grad for p in params if id(p) in experts]
-    device = params[0].grad.device if params else torch.device("cpu")
-
-    def squared(grads) -> torch.Tensor:
-        if not grads:
-            return torch.zeros((), device=device)
-        return torch.nn.utils.get_total_norm(grads).float() ** 2
-
-    expert_sq = squared(own)
-    if ranks.world_size > 1:
-        dist.all_reduce(expert_sq)
-    total = (squared(shared) + expert_sq).sqrt()
+    total = _global_norm(own, shared, ranks)
     if math.isfinite(max_norm):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
@@ -314,17 +322,7 @@ def clip_tensor_parallel(model: torch.nn.Module, max_norm: float, ranks: Ranks) 
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     split = [g.to_local() for g in grads if isinstance(g, DTensor)]
     whole = [g for g in grads if not isinstance(g, DTensor)]
-    device = grads[0].device if grads else torch.device("cpu")
-
-    def squared(tensors) -> torch.Tensor:
-        if not tensors:
-            return torch.zeros((), device=device)
-        return torch.nn.utils.get_total_norm(tensors).float() ** 2
-
-    split_sq = squared(split)
-    if ranks.world_size > 1:
-        dist.all_reduce(split_sq)
-    total = (squared(whole) + split_sq).sqrt()
+    total = _global_norm(split, whole, ranks)
     if math.isfinite(max_norm):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in split + whole:
