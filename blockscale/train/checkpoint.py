@@ -388,26 +388,31 @@ def _strided_as_shards(model_state: dict, optim_state: dict) -> list[tuple[dict,
     of the same whole value (an all-gather of that tensor, then each rank keeps its rows), so
     DCP writes the one-device tensor in contiguous pieces: the files load onto any ranks, or
     none (`eval`). Returns what `_strided_as_local` needs to undo it after a load."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Shard
 
     undo = []
     for states, key in _strided_states(model_state, optim_state):
-        value = states[key]
-        whole = value.full_tensor()
-        states[key] = distribute_tensor(whole, value.device_mesh, [Shard(0)], src_data_rank=None)
-        undo.append((states, key, value.placements))
+        undo.append((states, key, states[key].placements))
+        _relayout(states, key, [Shard(0)])
     return undo
 
 
 def _strided_as_local(undo: list[tuple[dict, str, tuple]]) -> None:
     """Undo `_strided_as_shards` after DCP loaded into the Shard(0) pieces (in place): the
     values back in their `_StridedShard` layouts, which set_state_dict copies into the model."""
+    for states, key, placements in undo:
+        _relayout(states, key, placements)
+
+
+def _relayout(states: dict, key: str, placements) -> None:
+    """states[key], a DTensor, with the same whole value in `placements`, rebuilt from the
+    whole tensor (an all-gather, then each rank keeps its part)."""
     from torch.distributed.tensor import distribute_tensor
 
-    for states, key, placements in undo:
-        value = states[key]
-        whole = value.full_tensor()
-        states[key] = distribute_tensor(whole, value.device_mesh, placements, src_data_rank=None)
+    value = states[key]
+    states[key] = distribute_tensor(
+        value.full_tensor(), value.device_mesh, placements, src_data_rank=None
+    )
 
 
 def _rank_files(path: Path, verified: bool) -> list[tuple[dict, str]]:
