@@ -356,8 +356,9 @@ class _Linear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    # Without importing torch.distributed.tensor (half a second): no DTensor exists before.
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor, without importing torch.distributed.tensor (half a second):
+    no DTensor exists before it is imported."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
 
@@ -390,7 +391,7 @@ def linear(
     if not recipe.quantized:
         return F.linear(input, weight, bias)
     for name, t in (("input", input), ("weight", weight)):
-        if _is_dtensor(t):
+        if is_dtensor(t):
             raise TypeError(
                 f"blockscale.linear got a DTensor {name}: quantized layers compute on local "
                 "tensors; for tensor parallel, use blockscale.distributed."

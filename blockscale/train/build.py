@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import sys
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ import blockscale.nn as bsnn
 import blockscale.recipes as recipes
 from blockscale import _library, models
 from blockscale.models import SIZES, ModelConfig, MoEConfig, Transformer, model_config
+from blockscale.ops.linear import is_dtensor
 from blockscale.train.config import TrainConfig
 from blockscale.train.errors import UsageError
 
@@ -156,11 +156,7 @@ def _by_kind(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]
     """`params` as one list, or, where some are DTensors (`--tp` splits the blocks' linears and
     leaves the rest plain), the DTensors and the plain tensors apart: CUDA's fused AdamW runs
     one multi-tensor kernel per group and refuses a group that mixes the two."""
-    module = sys.modules.get("torch.distributed.tensor")  # loaded by whoever made a DTensor
-    if module is None:
-        return [params]
-    split = [[p for p in params if isinstance(p, module.DTensor)]]
-    split.append([p for p in params if not isinstance(p, module.DTensor)])
+    split = [[p for p in params if is_dtensor(p)], [p for p in params if not is_dtensor(p)]]
     return [kind for kind in split if kind] if split[0] else [params]
 
 
