@@ -50,6 +50,17 @@ def test_amax(shape):
     exact(kernels.amax(x.float()), x.float().abs().amax())
 
 
+@pytest.mark.parametrize("where", [0, -1], ids=["first", "last"])
+def test_amax_over_several_tiles_per_program(where):
+    """3 x 3 tiles (the last row and column of tiles partial), two to a program, so the last
+    program's second tile lies past the end: the largest magnitude is found in the first and
+    in the last tile. (Tiles follow kernels.amax's TILES["plain"], 32 x 256 with 2 a program.)"""
+    x = randn(80, 600, seed=3)
+    x.view(-1)[where] = -9.25
+    exact(kernels.amax(x), torch.tensor(9.25))
+    exact(kernels.amax(x.float()), torch.tensor(9.25))
+
+
 @pytest.mark.parametrize("shape", [(16, 16), (48, 96), (80, 48), (2, 16, 40)], ids=str)
 def test_fused_amax_plain_and_hadamard_columnwise(shape):
     x = randn(*shape, seed=shape[-1] + 1)

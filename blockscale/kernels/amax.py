@@ -21,7 +21,10 @@ from blockscale.kernels._common import abs_bits, cdiv, max_keep_nan, round_to_bf
 
 # (BM, BK, num_warps, tiles per program): a program reduces BM * tiles rows by BK columns
 # (the plain kernel as [BM, BK] tiles, the Hadamard one 16 rows at a time, BM a multiple of 16).
-TILES = {"plain": (32, 128, 4, 16), "hadamard": (16, 512, 4, 4)}
+# The plain kernel's 2 tiles a program keep the grid at >= 4 programs an SM for a model's
+# weights: 16 tiles a program left a 4096x4096 FP32 weight 128 programs and took 55 us against
+# 28 us (H100, 2026-11-25, docs/KERNELS.md); a 16384x8192 BF16 tensor is not slower (91 us).
+TILES = {"plain": (32, 256, 8, 2), "hadamard": (16, 512, 4, 4)}
 
 # Bit i set where the RHT's sign vector has s_i = -1 (folded into the butterfly's constants).
 _SIGN_MASK = sum(1 << i for i, s in enumerate(rht.DEFAULT_SIGNS) if s < 0)
