@@ -1,9 +1,8 @@
 """Registering blockscale's operators with torch.library without paying for it in eager mode,
 and the one switch that says where the Triton kernels run (`use_kernels`).
 
-`library_op(name, mutates_args, triton=...)` registers a function as a `torch.library` op
-(`triton_op` for functions that launch Triton kernels through `wrap_triton`, `custom_op`
-otherwise) and returns a caller that picks, per call:
+`library_op(name, mutates_args, triton=...)` registers a function as the op
+`torch.ops.blockscale.<name>` and returns a caller that picks, per call:
 
 - under torch.compile (Dynamo tracing), the registered op: the graph holds one opaque op, so
   Inductor neither retraces its numerics nor drops it, and the compiled step runs the very
@@ -13,8 +12,20 @@ otherwise) and returns a caller that picks, per call:
   which matters because a linear step makes a dozen of these calls and small layers are
   launch-bound (host costs per call are measured by benchmarks/launch_overhead.py).
 
+The op is defined with torch.library's low-level API (`Library.define` + one
+CompositeExplicitAutograd kernel + a fake impl), not with `custom_op` / `triton_op`. Those put
+Python wrappers in every dispatch (an Autograd kernel that redispatches, a backend wrapper with
+aliasing checks, an ADInplaceOrView kernel for ops that write an argument): measured on an H100
+host, 20-40 us more per call than the lean op (52.8 against 35.8 us for amax_2d, 102 against
+71 us for nvfp4_quantize_2d), and a compiled 1B Llama step makes ~900 such calls. Autograd
+never reaches these ops: eager calls the function, and compiled graphs call the op inside the
+autograd Functions' forward and backward. Triton-backed functions are also registered as a
+`triton_op` under `blockscale_inline::<name>`, used only when INLINE_TRITON_KERNELS asks for
+torch's decomposition (below).
+
 Both run the same code on the same tensors, so the results are the same bits.
-The registered op stays reachable as `caller.op` and as `torch.ops.blockscale.<name>`.
+The registered op stays reachable as `caller.op` (a RegisteredOp) and as
+`torch.ops.blockscale.<name>`.
 
 Opaque under compile, not inlined. A plain `triton_op` is decomposed by AOTAutograd into its
 `wrap_triton` kernel calls, so that Inductor can schedule them itself. That costs compile time
@@ -26,11 +37,11 @@ CPU host for transformers' Llama at the 1B shape (16 blocks, 98 NVFP4 linears un
 policy), Dynamo + AOTAutograd alone took 100 s inlined (1,176 such analyses: 63 s) against
 29 s opaque and 5 s for BF16; an H100 compile of that model did not finish in 8 minutes.
 Inductor has nothing to gain in exchange: our kernels write fresh outputs and nothing around
-them fuses into them. So the FunctionalTensorMode rule of every Triton-backed op here keeps
-the op whole (as torch.export does); Inductor calls it as an extern kernel, whose launch is the
-eager one (a dispatcher call, ~5 us more host time than eager's direct call, same CPU host).
-`INLINE_TRITON_KERNELS = True` restores torch's decomposition (read at trace time; for
-comparisons, e.g. `benchmarks/bench_model.py --inline-triton`).
+them fuses into them. So the ops compiled graphs hold are plain ops, which functionalization
+keeps whole; Inductor calls each as an extern kernel, whose launch is the eager one plus a
+dispatcher call. `INLINE_TRITON_KERNELS = True` (read at trace time) makes traces call the
+`blockscale_inline` triton_ops instead, which torch decomposes; for comparisons, e.g.
+`benchmarks/bench_model.py --inline-triton`.
 """
 
 from __future__ import annotations
@@ -50,24 +61,8 @@ except ImportError:  # pragma: no cover - depends on the torch version
     set_wrap_triton_enabled = None
 
 # False: Triton-backed ops stay single opaque ops in compiled graphs (see the module docstring).
+# Read when a trace reaches the op.
 INLINE_TRITON_KERNELS = False
-
-
-def _keep_whole_under_functionalization(op: Any) -> None:
-    """Make AOTAutograd's functionalization keep the triton_op `op` as one op, unless
-    INLINE_TRITON_KERNELS asks for torch's decomposition into its kernel launches."""
-    from torch._subclasses.functional_tensor import FunctionalTensorMode  # noqa: PLC0415
-
-    decompose = op._torch_dispatch_fns.get(FunctionalTensorMode)
-    if decompose is None:  # a torch whose triton_op does not decompose: already whole
-        return
-
-    def rule(mode: Any, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-        if INLINE_TRITON_KERNELS:
-            return _with_constants(decompose)(mode, func, types, args, kwargs)
-        return mode.__torch_dispatch__(func, types, args, kwargs)
-
-    op.register_torch_dispatch(FunctionalTensorMode, rule)
 
 
 def _with_constants(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -108,20 +103,83 @@ def tracing() -> bool:
     )
 
 
+# The Library objects that hold the lean ops' registrations (they unregister when collected).
+_LIBRARIES: dict[str, torch.library.Library] = {}
+INLINE_NAMESPACE = "blockscale_inline"
+
+
+class RegisteredOp:
+    """What `library_op` registered for one function: `lean`, the op compiled graphs call
+    (`torch.ops.blockscale.<name>`), and for Triton-backed functions `inline`, the triton_op
+    that INLINE_TRITON_KERNELS traces instead (`torch.ops.blockscale_inline.<name>`).
+    `register_fake` sets the fake impl of both (it may be set again: the last one counts)."""
+
+    def __init__(self, lean: Any, inline: Any, fake: Callable[..., Any] | None) -> None:
+        self.lean = lean
+        self.inline = inline
+        self.fake = fake
+
+    def register_fake(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        self.fake = fn
+        if self.inline is not None:
+            self.inline.register_fake(fn)
+        return fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.inline is not None and INLINE_TRITON_KERNELS:
+            return self.inline(*args, **kwargs)
+        return self.lean(*args, **kwargs)
+
+
+def _define_lean(
+    name: str, fn: Callable[..., Any], mutates_args: tuple[str, ...], kernel: Callable[..., Any]
+) -> Any:
+    """`name` defined with torch.library's low-level API: one CompositeExplicitAutograd kernel
+    (`kernel`) and a fake impl that defers to the RegisteredOp's current one. No Python
+    autograd, ADInplaceOrView or backend wrapper in the dispatch path, which is what a
+    compiled graph pays per call through custom_op/triton_op (docs/LOG.md: 20-40 us a call on
+    an H100 host). Nothing needs them: eager calls go to the function itself, and the op is
+    only reached inside compiled or traced code, where autograd sits outside it."""
+    namespace, op_name = name.split("::")
+    lib = _LIBRARIES.get(namespace)
+    if lib is None:
+        lib = _LIBRARIES[namespace] = torch.library.Library(namespace, "FRAGMENT")
+    lib.define(op_name + torch.library.infer_schema(fn, mutates_args=mutates_args))
+    lib.impl(op_name, kernel, "CompositeExplicitAutograd")
+    return getattr(getattr(torch.ops, namespace), op_name).default
+
+
 def library_op(
     name: str, mutates_args: Iterable[str] = (), triton: bool = False
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-        make = torch.library.triton_op if triton else torch.library.custom_op
-        op = make(name, mutates_args=tuple(mutates_args))(fn)
+        mutates = tuple(mutates_args)
+        if triton and set_wrap_triton_enabled is not None:
+
+            def kernel(*args: Any, **kwargs: Any) -> Any:
+                with set_wrap_triton_enabled(False):
+                    return fn(*args, **kwargs)
+
+        else:
+            kernel = fn
+        registered = RegisteredOp(None, None, _with_constants(fn) if triton else None)
+        registered.lean = _define_lean(name, fn, mutates, kernel)
+
+        def fake(*args: Any, **kwargs: Any) -> Any:
+            if registered.fake is None:
+                raise NotImplementedError(f"{name} has no fake impl (register_fake)")
+            return registered.fake(*args, **kwargs)
+
+        torch.library.register_fake(name, fake, lib=_LIBRARIES[name.split("::")[0]])
         if triton:
-            _keep_whole_under_functionalization(op)
-            op.register_fake(_with_constants(fn))
+            inline_name = f"{INLINE_NAMESPACE}::{name.split('::')[1]}"
+            registered.inline = torch.library.triton_op(inline_name, mutates_args=mutates)(fn)
+            registered.inline.register_fake(_with_constants(fn))
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             if tracing() or (triton and set_wrap_triton_enabled is None):
-                return op(*args, **kwargs)
+                return registered(*args, **kwargs)
             if triton:
                 # what triton_op's own eager path does: wrap_triton launches the kernel
                 # directly instead of dispatching a higher-order op (~1 ms a call)
@@ -129,7 +187,7 @@ def library_op(
                     return fn(*args, **kwargs)
             return fn(*args, **kwargs)
 
-        call.op = op  # type: ignore[attr-defined]
+        call.op = registered  # type: ignore[attr-defined]
         return call
 
     return register
