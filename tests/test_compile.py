@@ -308,3 +308,51 @@ def test_kernel_path_traces_with_triton_jit_kernels():
     assert done.returncode == 0, done.stderr[-3000:]
     counts = dict(line.split() for line in done.stdout.splitlines())
     assert int(counts["mlp"]) > 0 and int(counts["moe"]) > 0, done.stdout
+
+
+def _dynamo_graphs(model, x):
+    """The FX graphs Dynamo hands its backend (before AOTAutograd), from one compiled step."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(model, fullgraph=True, backend=backend)(x).square().sum().backward()
+    return graphs
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8"])
+def test_dynamo_does_not_trace_into_converted_linears(kernel_path_on_cpu, name):
+    """A converted nn.Linear is one opaque nonstrict_trace call in Dynamo's graph, so Dynamo
+    interprets none of the quantization's Python per layer: that was ~7,000 bytecode
+    instructions per NVFP4 layer, most of a converted Llama's extra compile time (docs/LOG.md,
+    2026-11-25). Caught here by what Dynamo's graph holds: one flat_apply per converted layer
+    and none of blockscale's ops (they appear in AOTAutograd's graph, see
+    test_kernel_path_traces_with_triton_jit_kernels), in one graph with no recompile."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model = bsnn.convert(MLP(), recipes.get(name))
+    graphs = _dynamo_graphs(model, torch.randn(2, 32, 64, requires_grad=True))
+    assert len(graphs) == 1
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("flat_apply" in t for t in targets) == 2, targets
+    assert not [t for t in targets if "blockscale" in t], targets
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_compiled_linear_follows_a_new_recipe():
+    """The recipe reaches the opaque call as a constant that Dynamo does not look into;
+    assigning another recipe must recompile rather than replay the old one."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = bsnn.convert(MLP(), recipes.get("nvfp4", stochastic_rounding=False))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(4, 32, 64)
+    assert torch.equal(compiled(x), model(x))
+    for layer in (model.up, model.down):
+        layer.recipe = recipes.get("mxfp8")
+    expected = model(x)
+    assert torch.equal(compiled(x), expected)
+    torch._dynamo.reset()
