@@ -356,3 +356,25 @@ def test_compiled_linear_follows_a_new_recipe():
     expected = model(x)
     assert torch.equal(compiled(x), expected)
     torch._dynamo.reset()
+
+
+def test_kernel_path_graph_has_no_functionalized_mutation(kernel_path_on_cpu):
+    """Every op a converted linear puts into AOTAutograd's graph is functional (the default
+    fused GEMM included): an op that writes into an argument comes out wrapped in
+    auto_functionalized, which Inductor then reinplaces and decomposes, at a compile-time
+    cost per call (docs/LOG.md, 2026-11-25)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    targets: list[str] = []
+
+    def record(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    model = bsnn.convert(MLP(), recipes.get("nvfp4", stochastic_rounding=False))
+    backend = aot_autograd(fw_compiler=record, bw_compiler=record)
+    torch.compile(model, fullgraph=True, backend=backend)(
+        torch.randn(2, 32, 64, requires_grad=True)
+    ).square().sum().backward()
+    assert any("blockscale.emulated_gemm" in t for t in targets), targets
+    assert not [t for t in targets if "auto_functionalized" in t], targets
