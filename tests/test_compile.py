@@ -378,3 +378,26 @@ def test_kernel_path_graph_has_no_functionalized_mutation(kernel_path_on_cpu):
     ).square().sum().backward()
     assert any("blockscale.emulated_gemm" in t for t in targets), targets
     assert not [t for t in targets if "auto_functionalized" in t], targets
+
+
+def test_dynamic_shapes_compile_gives_eager_bits():
+    """dynamic=True: token counts that are and are not a multiple of the block, each with
+    eager's bits. Dynamo's own trace of the autograd.Function failed here on torch 2.13
+    (AssertionError: lift_tracked_freevar_to_input should not be called on root
+    SubgraphTracer); AOTAutograd traces it with symbolic shapes through the nonstrict call."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = bsnn.convert(MLP(), recipes.get("nvfp4", stochastic_rounding=False))
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+    for tokens in (32, 40, 7):
+        x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
+        results = []
+        for fn in (model, compiled):
+            model.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            y = fn(xi)
+            y.square().sum().backward()
+            results.append([y, xi.grad, model.up.weight.grad, model.down.weight.grad])
+        for e, c in zip(*results):
+            assert torch.equal(e, c), tokens
+    torch._dynamo.reset()
