@@ -326,3 +326,96 @@ def test_library_ops_dispatch_without_python_wrappers():
     for name in names:
         assert has(name, "CompositeExplicitAutograd"), name
         assert not has(name, "Autograd") and not has(name, "ADInplaceOrView"), name
+
+
+def _dynamo_graphs(model, x):
+    """The FX graphs Dynamo hands its backend (before AOTAutograd), from one compiled step."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(model, fullgraph=True, backend=backend)(x).square().sum().backward()
+    return graphs
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8"])
+def test_dynamo_does_not_trace_into_converted_linears(kernel_path_on_cpu, name):
+    """A converted nn.Linear is one opaque nonstrict_trace call in Dynamo's graph, so Dynamo
+    interprets none of the quantization's Python per layer: that was ~7,000 bytecode
+    instructions per NVFP4 layer, most of a converted Llama's extra compile time (docs/LOG.md,
+    2026-11-25). Caught here by what Dynamo's graph holds: one flat_apply per converted layer
+    and none of blockscale's ops (they appear in AOTAutograd's graph, see
+    test_kernel_path_traces_with_triton_jit_kernels), in one graph with no recompile."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model = bsnn.convert(MLP(), recipes.get(name))
+    graphs = _dynamo_graphs(model, torch.randn(2, 32, 64, requires_grad=True))
+    assert len(graphs) == 1
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("flat_apply" in t for t in targets) == 2, targets
+    assert not [t for t in targets if "blockscale" in t], targets
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_compiled_linear_follows_a_new_recipe():
+    """The recipe reaches the opaque call as a constant that Dynamo does not look into;
+    assigning another recipe must recompile rather than replay the old one."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = bsnn.convert(MLP(), recipes.get("nvfp4", stochastic_rounding=False))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(4, 32, 64)
+    assert torch.equal(compiled(x), model(x))
+    for layer in (model.up, model.down):
+        layer.recipe = recipes.get("mxfp8")
+    expected = model(x)
+    assert torch.equal(compiled(x), expected)
+    torch._dynamo.reset()
+
+
+def test_kernel_path_graph_has_no_functionalized_mutation(kernel_path_on_cpu):
+    """Every op a converted linear puts into AOTAutograd's graph is functional (the default
+    fused GEMM included): an op that writes into an argument comes out wrapped in
+    auto_functionalized, which Inductor then reinplaces and decomposes, at a compile-time
+    cost per call (docs/LOG.md, 2026-11-25)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    targets: list[str] = []
+
+    def record(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    model = bsnn.convert(MLP(), recipes.get("nvfp4", stochastic_rounding=False))
+    backend = aot_autograd(fw_compiler=record, bw_compiler=record)
+    torch.compile(model, fullgraph=True, backend=backend)(
+        torch.randn(2, 32, 64, requires_grad=True)
+    ).square().sum().backward()
+    assert any("blockscale.emulated_gemm" in t for t in targets), targets
+    assert not [t for t in targets if "auto_functionalized" in t], targets
+
+
+def test_dynamic_shapes_compile_gives_eager_bits():
+    """dynamic=True: token counts that are and are not a multiple of the block, each with
+    eager's bits. Dynamo's own trace of the autograd.Function failed here on torch 2.13
+    (AssertionError: lift_tracked_freevar_to_input should not be called on root
+    SubgraphTracer); AOTAutograd traces it with symbolic shapes through the nonstrict call."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = bsnn.convert(MLP(), recipes.get("nvfp4", stochastic_rounding=False))
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+    for tokens in (32, 40, 7):
+        x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
+        results = []
+        for fn in (model, compiled):
+            model.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            y = fn(xi)
+            y.square().sum().backward()
+            results.append([y, xi.grad, model.up.weight.grad, model.down.weight.grad])
+        for e, c in zip(*results):
+            assert torch.equal(e, c), tokens
+    torch._dynamo.reset()

@@ -190,20 +190,42 @@ def _emulated_fused(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The kernel path (CUDA, or Triton's interpreter in tests): `_gemm_into` a new output."""
+    """The kernel path (CUDA, or Triton's interpreter in tests): `_gemm` into a new output."""
     if out_dtype == torch.float32 and not FUSED_GEMM:
         # the accumulator is the output: scale it in place (no second FP32 tensor)
         from blockscale.kernels import gemm_epilogue  # noqa: PLC0415 (Triton is optional)
 
         acc = emulated.mm_fp32_accumulate(a_dq, b_dq)
         return acc if amax is None and bias is None else gemm_epilogue(acc, amax, bias, out=acc)
-    out = torch.empty(a_dq.shape[0], b_dq.shape[0], dtype=out_dtype, device=a_dq.device)
     amax_a, amax_b = amax if amax is not None else (None, None)
+    return _gemm(a_dq, b_dq, amax_a, amax_b, bias, out_dtype)
+
+
+@_library.library_op("blockscale::emulated_gemm")
+def _gemm(
+    a_dq: torch.Tensor,
+    b_dq: torch.Tensor,
+    amax_a: torch.Tensor | None,
+    amax_b: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """cast(a_dq @ b_dq.T * alpha + bias) into a new [M, N] tensor (`_gemm_into`). An op so
+    that the choice, which reads data pointers, is made on real tensors (under torch.compile
+    too); a functional one, which a compiled graph holds as one node. (Writing into an `out`
+    argument made AOTAutograd wrap every call in auto_functionalized and Inductor reinplace
+    and decompose it again: about 0.04 s of compile time per call on a CPU host, three calls
+    per linear step; docs/LOG.md, 2026-11-25.)"""
+    out = torch.empty(a_dq.shape[0], b_dq.shape[0], dtype=out_dtype, device=a_dq.device)
     _gemm_into(a_dq, b_dq, amax_a, amax_b, bias, out)
     return out
 
 
-@_library.library_op("blockscale::emulated_gemm_into", mutates_args=("out",))
+@_gemm.op.register_fake
+def _(a_dq, b_dq, amax_a, amax_b, bias, out_dtype) -> torch.Tensor:
+    return a_dq.new_empty((a_dq.shape[0], b_dq.shape[0]), dtype=out_dtype)
+
+
 def _gemm_into(
     a_dq: torch.Tensor,
     b_dq: torch.Tensor,
@@ -217,8 +239,7 @@ def _gemm_into(
     (kernels/gemm.py). Otherwise cuBLAS makes the FP32 accumulator, ACC_CHUNK_BYTES of rows at
     a time, and each chunk goes through the epilogue kernel into its rows of the output, so the
     FP32 tensor never exists whole (a [16384, 4096] BF16 output would otherwise need 256 MiB
-    beside it). An op so that the choice, which reads data pointers, is made on real tensors
-    (under torch.compile too)."""
+    beside it). Runs on real tensors only (inside the `_gemm` op under torch.compile)."""
     from blockscale.kernels import gemm as fused  # noqa: PLC0415 (Triton is optional)
     from blockscale.kernels import gemm_epilogue  # noqa: PLC0415
 
@@ -231,11 +252,6 @@ def _gemm_into(
     for r0 in range(0, m, rows):
         acc = emulated.mm_fp32_accumulate(a_dq[r0 : r0 + rows], b_dq)
         gemm_epilogue(acc, amax, bias, out=out[r0 : r0 + rows])
-
-
-@_gemm_into.op.register_fake
-def _(a_dq, b_dq, amax_a, amax_b, bias, out) -> None:
-    return None
 
 
 def _native(

@@ -7,6 +7,13 @@ keys, `isinstance` checks, weight tying) sees the same parameters under the same
 `quantize_enabled` is the precision schedule's switch (`blockscale.nn.set_precision`): when
 False the layer computes a plain `F.linear` in the input's (or autocast's) precision. It is a
 Python attribute, so under torch.compile flipping it costs one recompilation, once.
+
+Under torch.compile the forward is one opaque call to `ops.linear.compiled_linear` in Dynamo's
+graph, which AOTAutograd traces: the same ops, without Dynamo interpreting the quantization's
+Python per layer (the bulk of a converted model's extra compile time). The recipe goes in as
+a `RecipeConstant`, kept beside it; assigning `recipe` replaces both, and a compiled model
+then recompiles. A weight that is a tensor subclass (FSDP2's quantized all-gather, NVFP4
+primary weights) is traced by Dynamo as before.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockscale.ops.linear import linear
+from blockscale.ops.linear import RecipeConstant, compiled_linear, linear
 from blockscale.recipes import Recipe
 
 
@@ -33,10 +40,19 @@ class Linear(nn.Linear):
         recipe: Recipe,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        if not isinstance(recipe, Recipe):
-            raise TypeError(f"recipe must be a blockscale Recipe, got {type(recipe).__name__}")
         self.recipe = recipe
         self.quantize_enabled = True
+
+    @property
+    def recipe(self) -> Recipe:
+        return self._recipe
+
+    @recipe.setter
+    def recipe(self, recipe: Recipe) -> None:
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be a blockscale Recipe, got {type(recipe).__name__}")
+        self._recipe = recipe
+        self._recipe_constant = RecipeConstant.of(recipe)
 
     @classmethod
     def from_float(cls, module: nn.Linear, recipe: Recipe) -> Linear:
@@ -55,8 +71,16 @@ class Linear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self.quantize_enabled:
             return F.linear(input, self.weight, self.bias)
+        if torch.compiler.is_dynamo_compiling() and _plain(input) and _plain(self.weight):
+            bias = () if self.bias is None else (self.bias,)
+            return compiled_linear(self._recipe_constant, input, self.weight, *bias)
         return linear(input, self.weight, self.bias, self.recipe)
 
     def extra_repr(self) -> str:
         state = "" if self.quantize_enabled else ", quantize_enabled=False"
         return f"{super().extra_repr()}, recipe={self.recipe.name}{state}"
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """Not a tensor subclass (a Parameter is not one here)."""
+    return type(t) in (torch.Tensor, nn.Parameter)

@@ -64,6 +64,16 @@ the quantizers and the GEMM epilogue depend on (FP32 division is lowered to an a
 instruction in Triton, BF16 round trips between fused ops are dropped, `acc * alpha + bias`
 may become one FMA); `EXACT_INDUCTOR_OPTIONS` restores eager's numerics:
 `torch.compile(model, options=EXACT_INDUCTOR_OPTIONS)`.
+
+Compile time: Dynamo need not trace this module. `compiled_linear` is `linear` as one opaque
+call in Dynamo's graph (`nonstrict_trace`), whose ops AOTAutograd then records by running this
+Python on fake tensors, forward and backward. Dynamo interprets every bytecode of what it
+traces (about 7,000 instructions per NVFP4 layer, forward and backward, on the kernel path:
+quantize-call bookkeeping, containers, dispatch checks), which was most of a converted Llama's
+extra compile time; AOTAutograd runs the same Python at Python speed and records the same ops,
+so the compiled graph and its bits are unchanged (docs/LOG.md, 2026-11-25).
+`blockscale.nn.Linear` calls it under Dynamo; `linear` called from other traced code is still
+traced by Dynamo.
 """
 
 from __future__ import annotations
@@ -77,6 +87,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch._dynamo import nonstrict_trace
 
 from blockscale._library import tracing
 from blockscale.gemm.dispatch import Backend, Transposed, resolve_backend, scaled_mm
@@ -408,3 +420,49 @@ def linear(
         raise ValueError(f"recipe {recipe.name} cannot run this layer: {reason}")
     backend = resolve_backend(recipe.backend, input.device)
     return _Linear.apply(input, weight, bias, recipe, backend, output_dtype(input), amax_reduction)
+
+
+class RecipeConstant:
+    """A recipe as a constant of a `nonstrict_trace` call (`compiled_linear`): Dynamo can pass
+    neither a frozen dataclass into such a call nor rebuild one in its bytecode, but it takes a
+    registered pytree constant. One per distinct recipe (`of`), compared by identity, so two
+    layers with equal recipes give Dynamo the same constant (the same guard); a copy or an
+    unpickled one is the canonical one again."""
+
+    __slots__ = ("recipe",)
+    _canonical: dict[Recipe, RecipeConstant] = {}
+
+    def __init__(self, recipe: Recipe) -> None:
+        self.recipe = recipe
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> RecipeConstant:
+        return cls._canonical.setdefault(recipe, cls(recipe))
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __reduce__(self) -> tuple:
+        return RecipeConstant.of, (self.recipe,)
+
+    def __repr__(self) -> str:
+        return f"RecipeConstant({self.recipe.name})"
+
+
+pytree.register_constant(RecipeConstant)
+
+
+@nonstrict_trace
+def compiled_linear(
+    recipe: RecipeConstant, input: torch.Tensor, weight: torch.Tensor, *bias: torch.Tensor
+) -> torch.Tensor:
+    """`linear(input, weight, bias, recipe.recipe)` for Dynamo-traced code: one opaque call in
+    Dynamo's graph, traced by AOTAutograd (module docstring). `bias`: the bias, or nothing
+    (a nonstrict_trace call takes no None). Plain tensors only: a quantized or distributed
+    weight (a tensor subclass) goes through `linear`, which Dynamo traces.
+    Nothing read inside is guarded by Dynamo: what the result depends on is the recipe (the
+    constant), the tensors' metadata and autocast, which Dynamo guards at the call."""
+    return linear(input, weight, bias[0] if bias else None, recipe.recipe)
