@@ -214,8 +214,8 @@ def _gemm(
     that the choice, which reads data pointers, is made on real tensors (under torch.compile
     too); a functional one, which a compiled graph holds as one node. (Writing into an `out`
     argument made AOTAutograd wrap every call in auto_functionalized and Inductor reinplace
-    and decompose it again: about 0.04 s of compile time per call on a CPU host, three calls
-    per linear step; docs/LOG.md, 2026-11-25.)"""
+    and decompose it again: about 25 ms of compile time per linear on a CPU host;
+    docs/LOG.md, 2026-11-25.)"""
     out = torch.empty(a_dq.shape[0], b_dq.shape[0], dtype=out_dtype, device=a_dq.device)
     _gemm_into(a_dq, b_dq, amax_a, amax_b, bias, out)
     return out
