@@ -241,6 +241,13 @@ class Recipe:
         return "\n".join(lines)
 
 
+def require_recipe(recipe: object) -> Recipe:
+    """`recipe`, checked: a TypeError that names what was passed where a Recipe belongs."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a blockscale Recipe, got {type(recipe).__name__}")
+    return recipe
+
+
 def _nvfp4_op(
     block: str = "1x16", stochastic: bool = False, hadamard: bool = False
 ) -> OperandConfig:

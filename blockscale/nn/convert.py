@@ -55,7 +55,7 @@ from blockscale.nn.experts import experts_weights, route_grouped_mm
 from blockscale.nn.linear import Linear
 from blockscale.ops.grouped_mm import unsupported_reason as experts_unsupported_reason
 from blockscale.ops.linear import unsupported_reason
-from blockscale.recipes import Recipe
+from blockscale.recipes import Recipe, require_recipe
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +76,7 @@ def convert(
     experts module gets the new recipe. A bare nn.Linear passed as `model` cannot be swapped
     in place: the converted layer is returned instead.
     """
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a blockscale Recipe, got {type(recipe).__name__}")
+    require_recipe(recipe)
     counts = {"total": 0, "converted": 0, "expert_total": 0, "expert_converted": 0}
     swapped: dict[int, nn.Module] = {}
     # No policy: find the LM head as layer_policy would, to say that it gets quantized.

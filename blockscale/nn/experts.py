@@ -77,7 +77,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from blockscale.ops.grouped_mm import grouped_mm
-from blockscale.recipes import Recipe
+from blockscale.recipes import Recipe, require_recipe
 
 # F.grouped_mm does not consult torch-function handlers today (its torch._grouped_mm call does);
 # should it start to, the router must catch it first, since the inner call then runs with the
@@ -106,8 +106,7 @@ class GroupedMM(nn.Module):
 
     @recipe.setter
     def recipe(self, recipe: Recipe) -> None:
-        if not isinstance(recipe, Recipe):
-            raise TypeError(f"recipe must be a blockscale Recipe, got {type(recipe).__name__}")
+        require_recipe(recipe)
         self._recipe = recipe
         # What compiled experts guard on (a str: Dynamo can neither hash a frozen dataclass
         # nor pass one into a nonstrict_trace call); repr names every field.

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockscale.ops.linear import RecipeConstant, compiled_linear, linear
-from blockscale.recipes import Recipe
+from blockscale.recipes import Recipe, require_recipe
 
 
 class Linear(nn.Linear):
@@ -49,8 +49,7 @@ class Linear(nn.Linear):
 
     @recipe.setter
     def recipe(self, recipe: Recipe) -> None:
-        if not isinstance(recipe, Recipe):
-            raise TypeError(f"recipe must be a blockscale Recipe, got {type(recipe).__name__}")
+        require_recipe(recipe)
         self._recipe = recipe
         self._recipe_constant = RecipeConstant.of(recipe)
 

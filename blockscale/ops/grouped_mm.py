@@ -62,7 +62,7 @@ from blockscale.ops.quantize import (
     quantize_grouped,
     save_operand,
 )
-from blockscale.recipes import Recipe
+from blockscale.recipes import Recipe, require_recipe
 
 
 def unsupported_reason(k: int, n: int, recipe: Recipe) -> str | None:
@@ -195,8 +195,7 @@ def grouped_mm(
     `recipe` says (module docstring). input [M, K], weight_t [E, K, N], offs int32 [E]
     cumulative end rows (offs[-1] <= M; rows past it give zeros). Raises ValueError when the
     shapes, dtypes or devices do not fit, or K or N does not fit the recipe's blocks."""
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a blockscale Recipe, got {type(recipe).__name__}")
+    require_recipe(recipe)
     check_grouped_inputs(input, weight_t, offs)
     if not recipe.quantized:
         return torch._grouped_mm(input, weight_t, offs=offs, out_dtype=out_dtype)

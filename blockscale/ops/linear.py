@@ -102,7 +102,7 @@ from blockscale.ops.quantize import (
     rows_and_tokens_amax,
     save_operand,
 )
-from blockscale.recipes import Format, OperandConfig, Recipe, Rounding
+from blockscale.recipes import Format, OperandConfig, Recipe, Rounding, require_recipe
 
 Operand = QuantizedOperand | Transposed
 
@@ -398,8 +398,7 @@ def linear(
     `amax_reduction`: input, weight or grad_output are shards of whole tensors (tensor
     parallel; see `AmaxReduction`); None: every operand is whole.
     """
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a blockscale Recipe, got {type(recipe).__name__}")
+    require_recipe(recipe)
     if not recipe.quantized:
         return F.linear(input, weight, bias)
     for name, t in (("input", input), ("weight", weight)):
