@@ -132,10 +132,14 @@ class RegisteredOp:
 
 
 def _define_lean(
-    name: str, fn: Callable[..., Any], mutates_args: tuple[str, ...], kernel: Callable[..., Any]
+    name: str,
+    fn: Callable[..., Any],
+    mutates_args: tuple[str, ...],
+    kernel: Callable[..., Any],
+    registered: RegisteredOp,
 ) -> Any:
     """`name` defined with torch.library's low-level API: one CompositeExplicitAutograd kernel
-    (`kernel`) and a fake impl that defers to the RegisteredOp's current one. No Python
+    (`kernel`) and a fake impl that defers to `registered`'s current one. No Python
     autograd, ADInplaceOrView or backend wrapper in the dispatch path, which is what a
     compiled graph pays per call through custom_op/triton_op (docs/LOG.md: 20-40 us a call on
     an H100 host). Nothing needs them: eager calls go to the function itself, and the op is
@@ -146,6 +150,13 @@ def _define_lean(
         lib = _LIBRARIES[namespace] = torch.library.Library(namespace, "FRAGMENT")
     lib.define(op_name + torch.library.infer_schema(fn, mutates_args=mutates_args))
     lib.impl(op_name, kernel, "CompositeExplicitAutograd")
+
+    def fake(*args: Any, **kwargs: Any) -> Any:
+        if registered.fake is None:
+            raise NotImplementedError(f"{name} has no fake impl (register_fake)")
+        return registered.fake(*args, **kwargs)
+
+    torch.library.register_fake(name, fake, lib=lib)
     return getattr(getattr(torch.ops, namespace), op_name).default
 
 
@@ -163,18 +174,11 @@ def library_op(
         else:
             kernel = fn
         registered = RegisteredOp(None, None, _with_constants(fn) if triton else None)
-        registered.lean = _define_lean(name, fn, mutates, kernel)
-
-        def fake(*args: Any, **kwargs: Any) -> Any:
-            if registered.fake is None:
-                raise NotImplementedError(f"{name} has no fake impl (register_fake)")
-            return registered.fake(*args, **kwargs)
-
-        torch.library.register_fake(name, fake, lib=_LIBRARIES[name.split("::")[0]])
+        registered.lean = _define_lean(name, fn, mutates, kernel, registered)
         if triton:
             inline_name = f"{INLINE_NAMESPACE}::{name.split('::')[1]}"
             registered.inline = torch.library.triton_op(inline_name, mutates_args=mutates)(fn)
-            registered.inline.register_fake(_with_constants(fn))
+            registered.inline.register_fake(registered.fake)
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:

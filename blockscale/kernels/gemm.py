@@ -176,7 +176,7 @@ def supported(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
     return _aligned(a, 1) and (_aligned(b, 1) or _aligned(b, 0)) and _aligned(out, 1)
 
 
-# A custom op (opaque to Inductor) launching the kernel directly, rather than a triton_op:
+# A plain library op (opaque to Inductor) launching the kernel directly, not a Triton-backed one:
 # Inductor has nothing to fuse into a GEMM, and this keeps the TMA descriptors out of its
 # tracing of user kernels.
 @library_op("blockscale::gemm_fused", mutates_args=("out",))
