@@ -406,6 +406,42 @@ def test_native_backend_wiring_with_the_kernel_simulated(monkeypatch):
     _check_tail(got[0], got[1], sum(sizes))
 
 
+@pytest.mark.parametrize("b_layout", ["k-major", "n-major"])
+def test_persistent_grouped_gemms_equal_one_program_per_tile(b_layout, monkeypatch):
+    """The persistent launches (kernels/grouped_gemm.py) walk more tiles than programs (4 in
+    the interpreter) and must give the per-tile launch's bits: the same tiles, each summed in
+    the same order. BF16 outputs (FP32 ones launch one program per tile). Groups: empty, 1
+    token, two row tiles, and rows past offs[-1]."""
+    gg = importlib.import_module("blockscale.kernels.grouped_gemm")
+    sizes, tail = [0, 130, 44, 1, 125], 7
+    offs = _offs(sizes)
+    m, k, n = sum(sizes) + tail, 64, 64
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(m, k, generator=g)
+    b = torch.randn(len(sizes), n, k, generator=g)
+    if b_layout == "n-major":
+        b = b.transpose(1, 2).contiguous().transpose(1, 2)
+    amax = (torch.rand(len(sizes), generator=g) + 1, torch.rand(len(sizes), generator=g) + 1)
+    layout = G.token_layout(offs, m)
+    at = torch.randn(n, layout.capacity, generator=g)
+    bt = torch.randn(k, layout.capacity, generator=g)
+    results = []
+    for persistent in (True, False):
+        monkeypatch.setattr(gg, "ROWS_PERSISTENT_KMAJOR", persistent)
+        monkeypatch.setattr(gg, "TOKENS_PERSISTENT_MAX_SEGMENT", 10**9 if persistent else 0)
+        results.append(
+            (
+                gg.grouped_gemm_rows(a, b, offs, amax, torch.bfloat16),
+                gg.grouped_gemm_tokens(at, bt, layout.seg_ends, amax, torch.bfloat16),
+            )
+        )
+    (rows_p, tokens_p), (rows_1, tokens_1) = results
+    assert (rows_p[sum(sizes) :] == 0).all() and rows_p[: sum(sizes)].abs().sum() > 0
+    assert tokens_p[0].abs().sum() == 0 and tokens_p[1].abs().sum() > 0  # expert 0 is empty
+    torch.testing.assert_close(rows_p, rows_1, atol=0, rtol=0)
+    torch.testing.assert_close(tokens_p, tokens_1, atol=0, rtol=0)
+
+
 def test_jit_kernels_call_helpers_by_plain_name():
     """Inductor recompiles a triton_op's kernels from their source, resolving names in the
     module's globals: a helper reached as a module attribute (`nvfp4._uniforms(...)`) compiled

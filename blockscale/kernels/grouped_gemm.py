@@ -35,6 +35,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from blockscale._library import library_op
 from blockscale.kernels._common import bf16_bits, cdiv, interpreting, round_to_bf16
 from blockscale.kernels.epilogue import _decode_scale, _mul_rn
+from blockscale.kernels.gemm import _programs
 
 # (BM, BN, BK, num_warps, num_stages). BK must divide formats.grouped.TOKEN_ALIGN (64).
 # Measured on an H100 (`bench_grouped_mm.py --gemms`, docs/KERNELS.md): 128x256 tiles ran
@@ -42,6 +43,17 @@ from blockscale.kernels.epilogue import _decode_scale, _mul_rn
 # suit the grad_weight kernel, 3 the row kernels.
 ROWS_CONFIG = (128, 256, 64, 8, 3)
 TOKENS_CONFIG = (128, 256, 64, 8, 4)
+# Persistent launches (one program per SM walking the tiles), measured on an H100 against one
+# program per tile (docs/KERNELS.md, 2026-11-25): the rows kernel with a K-major weight (the
+# output GEMM) ran 5-17% faster flattened, level with CUTLASS; with the N-major weight
+# (grad_input) it was no faster and up to 8% slower at 64 experts, so that stays one program per
+# tile. grad_weight ran 8% faster persistent with 512-token segments (64 experts) and 16-22%
+# slower with 4096-8192-token ones: persistent below this mean segment length. 4 stages do not
+# fit the persistent grad_weight kernel's shared memory; it runs 3. Only BF16 outputs: an FP32
+# output tile (grad_weight of FP32 master weights) with 3 stages is past Hopper's 227 KiB.
+ROWS_PERSISTENT_KMAJOR = True
+TOKENS_PERSISTENT_MAX_SEGMENT = 1024
+TOKENS_PERSISTENT_STAGES = 3
 OPERAND_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -78,67 +90,102 @@ def _find_group(tile_ends_ptr, t, E, SEARCH_STEPS: tl.constexpr):
 
 
 @triton.jit
+def _rows_tile(
+    a_desc, b_desc, out_ptr, stride_om, offs_ptr, tile_ends_ptr, amax_a_ptr, amax_b_ptr,
+    t, pid_n, M, N, K, E,
+    HAS_ALPHA: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr, B_KMAJOR: tl.constexpr,
+    DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """Output tile (row tile t of the group layout, column tile pid_n)."""
+    g = _find_group(tile_ends_ptr, t, E, SEARCH_STEPS)
+    first_tile = tl.load(tile_ends_ptr + g - 1, mask=g > 0, other=0)
+    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    end = tl.load(offs_ptr + g, mask=g < E, other=M)
+    r0 = start + (t - first_tile) * BM
+    n0 = pid_n * BN
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    # the group past offs[-1] (g == E) only stores zeros
+    k_tiles = tl.where(g < E, tl.cdiv(K, BK), 0)
+    if INTERPRET:
+        ki = 0
+        while ki < k_tiles:
+            a = a_desc.load([r0, ki * BK])
+            if B_KMAJOR:
+                b = tl.reshape(b_desc.load([g, n0, ki * BK]), [BN, BK]).T
+            else:
+                b = tl.reshape(b_desc.load([g, ki * BK, n0]), [BK, BN])
+            acc = _dot(a, b, acc, DOT_F32)
+            ki += 1
+    else:
+        for ki in range(k_tiles):
+            a = a_desc.load([r0, ki * BK])
+            if B_KMAJOR:
+                b = tl.reshape(b_desc.load([g, n0, ki * BK]), [BN, BK]).T
+            else:
+                b = tl.reshape(b_desc.load([g, ki * BK, n0]), [BK, BN])
+            acc = _dot(a, b, acc, DOT_F32)
+    alpha = _alpha(amax_a_ptr, amax_b_ptr, g, E, HAS_ALPHA)
+    acc = _mul_rn(acc, tl.broadcast_to(alpha, [BM, BN]), ASM)
+    rows = r0 + tl.arange(0, BM)
+    cols = n0 + tl.arange(0, BN)
+    mask = (rows < end)[:, None] & (cols < N)[None, :]
+    dst = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    if OUT_BF16:
+        tl.store(dst, bf16_bits(round_to_bf16(acc)), mask=mask)
+    else:
+        tl.store(dst, acc, mask=mask)
+
+
+@triton.jit
 def _rows_kernel(
     a_desc, b_desc, out_ptr, stride_om, offs_ptr, tile_ends_ptr, amax_a_ptr, amax_b_ptr,
     M, N, K, E, num_pid_n,
     HAS_ALPHA: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr, B_KMAJOR: tl.constexpr,
     DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    t = pid // num_pid_n
-    pid_n = pid % num_pid_n
-    if t < tl.load(tile_ends_ptr + E):
-        g = _find_group(tile_ends_ptr, t, E, SEARCH_STEPS)
-        first_tile = tl.load(tile_ends_ptr + g - 1, mask=g > 0, other=0)
-        start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
-        end = tl.load(offs_ptr + g, mask=g < E, other=M)
-        r0 = start + (t - first_tile) * BM
-        n0 = pid_n * BN
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        # the group past offs[-1] (g == E) only stores zeros
-        k_tiles = tl.where(g < E, tl.cdiv(K, BK), 0)
+    # tile_ends[E]: the row tiles of all groups, the one past offs[-1] included
+    num_tiles = tl.load(tile_ends_ptr + E) * num_pid_n
+    if PERSISTENT:
+        # one program per SM walks the tiles; with FLATTEN the next tile's loads overlap this
+        # tile's epilogue (the interpreter cannot iterate a runtime range under numpy 2)
         if INTERPRET:
-            ki = 0
-            while ki < k_tiles:
-                a = a_desc.load([r0, ki * BK])
-                if B_KMAJOR:
-                    b = tl.reshape(b_desc.load([g, n0, ki * BK]), [BN, BK]).T
-                else:
-                    b = tl.reshape(b_desc.load([g, ki * BK, n0]), [BK, BN])
-                acc = _dot(a, b, acc, DOT_F32)
-                ki += 1
+            tile_id = tl.program_id(0)
+            while tile_id < num_tiles:
+                _rows_tile(a_desc, b_desc, out_ptr, stride_om, offs_ptr, tile_ends_ptr, amax_a_ptr,
+                           amax_b_ptr, tile_id // num_pid_n, tile_id % num_pid_n, M, N, K, E,
+                           HAS_ALPHA, OUT_BF16, ASM, B_KMAJOR, DOT_F32, INTERPRET, SEARCH_STEPS,
+                           BM, BN, BK)  # fmt: skip
+                tile_id += PROGRAMS
         else:
-            for ki in range(k_tiles):
-                a = a_desc.load([r0, ki * BK])
-                if B_KMAJOR:
-                    b = tl.reshape(b_desc.load([g, n0, ki * BK]), [BN, BK]).T
-                else:
-                    b = tl.reshape(b_desc.load([g, ki * BK, n0]), [BK, BN])
-                acc = _dot(a, b, acc, DOT_F32)
-        alpha = _alpha(amax_a_ptr, amax_b_ptr, g, E, HAS_ALPHA)
-        acc = _mul_rn(acc, tl.broadcast_to(alpha, [BM, BN]), ASM)
-        rows = r0 + tl.arange(0, BM)
-        cols = n0 + tl.arange(0, BN)
-        mask = (rows < end)[:, None] & (cols < N)[None, :]
-        dst = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-        if OUT_BF16:
-            tl.store(dst, bf16_bits(round_to_bf16(acc)), mask=mask)
-        else:
-            tl.store(dst, acc, mask=mask)
+            for tile_id in tl.range(tl.program_id(0), num_tiles, PROGRAMS, flatten=FLATTEN):
+                _rows_tile(a_desc, b_desc, out_ptr, stride_om, offs_ptr, tile_ends_ptr, amax_a_ptr,
+                           amax_b_ptr, tile_id // num_pid_n, tile_id % num_pid_n, M, N, K, E,
+                           HAS_ALPHA, OUT_BF16, ASM, B_KMAJOR, DOT_F32, INTERPRET, SEARCH_STEPS,
+                           BM, BN, BK)  # fmt: skip
+    else:
+        # one program per tile of an upper bound on the tile count
+        pid = tl.program_id(0)
+        if pid < num_tiles:
+            _rows_tile(a_desc, b_desc, out_ptr, stride_om, offs_ptr, tile_ends_ptr, amax_a_ptr,
+                       amax_b_ptr, pid // num_pid_n, pid % num_pid_n, M, N, K, E,
+                       HAS_ALPHA, OUT_BF16, ASM, B_KMAJOR, DOT_F32, INTERPRET, SEARCH_STEPS,
+                       BM, BN, BK)  # fmt: skip
 
 
 @triton.jit
-def _tokens_kernel(
-    a_desc, b_desc, out_desc, seg_ends_ptr, amax_a_ptr, amax_b_ptr, E, num_pid_m, num_pid_n,
-    HAS_ALPHA: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr, DOT_F32: tl.constexpr,
-    INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def _tokens_tile(
+    a_desc, b_desc, out_desc, seg_ends_ptr, amax_a_ptr, amax_b_ptr, tile_id, E, num_pid_m,
+    num_pid_n, HAS_ALPHA: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr,
+    DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
     per_group = num_pid_m * num_pid_n
-    g = pid // per_group
-    m0 = (pid % per_group) // num_pid_n * BM
-    n0 = (pid % num_pid_n) * BN
+    g = tile_id // per_group
+    m0 = (tile_id % per_group) // num_pid_n * BM
+    n0 = (tile_id % num_pid_n) * BN
     s0 = tl.load(seg_ends_ptr + g - 1, mask=g > 0, other=0)
     s1 = tl.load(seg_ends_ptr + g)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -156,6 +203,33 @@ def _tokens_kernel(
         out_desc.store([g, m0, n0], tl.reshape(bf16_bits(round_to_bf16(acc)), [1, BM, BN]))
     else:
         out_desc.store([g, m0, n0], tl.reshape(acc, [1, BM, BN]))
+
+
+@triton.jit
+def _tokens_kernel(
+    a_desc, b_desc, out_desc, seg_ends_ptr, amax_a_ptr, amax_b_ptr, E, num_pid_m, num_pid_n,
+    HAS_ALPHA: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr, DOT_F32: tl.constexpr,
+    INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
+):  # fmt: skip
+    if PERSISTENT:
+        num_tiles = E * num_pid_m * num_pid_n
+        if INTERPRET:
+            tile_id = tl.program_id(0)
+            while tile_id < num_tiles:
+                _tokens_tile(a_desc, b_desc, out_desc, seg_ends_ptr, amax_a_ptr, amax_b_ptr,
+                             tile_id, E, num_pid_m, num_pid_n, HAS_ALPHA, OUT_BF16, ASM, DOT_F32,
+                             INTERPRET, BM, BN, BK)  # fmt: skip
+                tile_id += PROGRAMS
+        else:
+            for tile_id in tl.range(tl.program_id(0), num_tiles, PROGRAMS):
+                _tokens_tile(a_desc, b_desc, out_desc, seg_ends_ptr, amax_a_ptr, amax_b_ptr,
+                             tile_id, E, num_pid_m, num_pid_n, HAS_ALPHA, OUT_BF16, ASM, DOT_F32,
+                             INTERPRET, BM, BN, BK)  # fmt: skip
+    else:
+        _tokens_tile(a_desc, b_desc, out_desc, seg_ends_ptr, amax_a_ptr, amax_b_ptr,
+                     tl.program_id(0), E, num_pid_m, num_pid_n, HAS_ALPHA, OUT_BF16, ASM, DOT_F32,
+                     INTERPRET, BM, BN, BK)  # fmt: skip
 
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -204,12 +278,15 @@ def _grouped_gemm_rows(
     a_desc = _descriptor(a, [bm, bk])
     b_desc = _descriptor(b_read, [1, bn, bk] if b_kmajor else [1, bk, bn])
     has_alpha = amax_a is not None
-    _rows_kernel[(tiles,)](
+    persistent = ROWS_PERSISTENT_KMAJOR and b_kmajor and bf16
+    programs = _programs(a.device, tiles) if persistent else tiles
+    _rows_kernel[(programs,)](
         a_desc, b_desc, dst, out.stride(0), offs, tile_ends, amax_a if has_alpha else offs,
         amax_b if has_alpha else offs, M, N, K, E, num_pid_n, HAS_ALPHA=has_alpha, OUT_BF16=bf16, ASM=not interpreting(),
         B_KMAJOR=b_kmajor, DOT_F32=interpreting() or a.dtype == torch.float32,
         INTERPRET=interpreting(), SEARCH_STEPS=(E + 1).bit_length(),
-        BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+        BM=bm, BN=bn, BK=bk, PERSISTENT=persistent, PROGRAMS=programs, FLATTEN=persistent,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
 
@@ -237,13 +314,19 @@ def _grouped_gemm_tokens(
     dst = out.view(torch.int16) if bf16 else out
     num_pid_m, num_pid_n = cdiv(N, bm), cdiv(K, bn)
     has_alpha = amax_a is not None
+    tiles = E * num_pid_m * num_pid_n
+    persistent = bf16 and a.shape[1] <= TOKENS_PERSISTENT_MAX_SEGMENT * E
+    programs = _programs(a.device, tiles) if persistent else tiles
+    if persistent:
+        stages = min(stages, TOKENS_PERSISTENT_STAGES)
     if E:
-        _tokens_kernel[(E * num_pid_m * num_pid_n,)](
+        _tokens_kernel[(programs,)](
             _descriptor(a, [bm, bk]), _descriptor(b, [bn, bk]), _descriptor(dst, [1, bm, bn]),
             seg_ends, amax_a if has_alpha else seg_ends, amax_b if has_alpha else seg_ends, E,
             num_pid_m, num_pid_n, HAS_ALPHA=has_alpha, OUT_BF16=bf16, ASM=not interpreting(),
             DOT_F32=interpreting() or a.dtype == torch.float32, INTERPRET=interpreting(),
-            BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+            BM=bm, BN=bn, BK=bk, PERSISTENT=persistent, PROGRAMS=programs,
+            num_warps=warps, num_stages=stages,
         )  # fmt: skip
 
 
