@@ -200,9 +200,14 @@ def recomputes_weight(weight: torch.Tensor, config: OperandConfig) -> bool:
     quantized), a round-to-nearest config (a stochastic one would draw other bits), and storage
     that outlives the step anyway: a leaf (a parameter) or a view of one. A weight computed in
     the forward (e.g. `w.to(torch.bfloat16)`, as models/moe.py does for F.grouped_mm) would be
-    kept alive by the save, at more bytes than its packed copy."""
+    kept alive by the save, at more bytes than its packed copy. Under a trace the last rule is
+    left to the compiler: what a compiled graph keeps for its backward is chosen by
+    AOTAutograd's partitioner, not by what the Function saves (and traced inputs have no
+    autograd history to read it from)."""
     if not RECOMPUTE_WEIGHT or _is_quantized(weight) or config.rounding is not Rounding.NEAREST:
         return False
+    if tracing():
+        return True
     base = weight if weight._base is None else weight._base
     return base.grad_fn is None
 
