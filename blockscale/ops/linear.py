@@ -34,8 +34,10 @@ give the same bits or would cost memory: a stochastically rounded weight config,
 that arrives quantized (blockscale.distributed's all-gathered or primary weights: there are
 no high-precision values to rebuild from), and a weight computed in the forward (a cast copy,
 say: saving it would keep it alive, at 2 bytes per value or more). `RECOMPUTE_WEIGHT = False`
-saves the packed copy always. An NVFP4 layer saves about a quarter of what a BF16 layer saves
-beside the weight (BF16 saves the input and the weight).
+saves the packed copy always. Beside the weight, which both keep, an NVFP4 layer saves about a
+quarter of what a BF16 layer saves (BF16's input). Compiled, AOTAutograd's partitioner picks
+what the backward graph keeps: with the weight a graph input, it takes the weight and
+quantizes it again there (tests/test_compile.py).
 
 Shared input: layers that read the same input tensor one after another (q/k/v projections,
 gate/up) quantize it once. The last forward's quantized input (both copies) is kept with a
@@ -200,7 +202,9 @@ def recomputes_weight(weight: torch.Tensor, config: OperandConfig) -> bool:
     quantized), a round-to-nearest config (a stochastic one would draw other bits), and storage
     that outlives the step anyway: a leaf (a parameter) or a view of one. A weight computed in
     the forward (e.g. `w.to(torch.bfloat16)`, as models/moe.py does for F.grouped_mm) would be
-    kept alive by the save, at more bytes than its packed copy. Under a trace the last rule is
+    kept alive by the save, at more bytes than its packed copy; it is told by its autograd
+    history, so one computed from a weight that needs no gradient (a frozen weight cast
+    under autograd, say) looks like a leaf and is saved. Under a trace the last rule is
     left to the compiler: what a compiled graph keeps for its backward is chosen by
     AOTAutograd's partitioner, not by what the Function saves (and traced inputs have no
     autograd history to read it from)."""
