@@ -398,6 +398,48 @@ def test_kernel_path_graph_has_no_functionalized_mutation(kernel_path_on_cpu):
     assert not [t for t in targets if "auto_functionalized" in t], targets
 
 
+@pytest.mark.parametrize("recompute", [True, False], ids=["weight-recomputed", "weight-saved"])
+def test_compiled_backward_rebuilds_the_weight_operand(kernel_path_on_cpu, recompute, monkeypatch):
+    """ops/linear.py, "Memory": what a compiled step keeps for its backward is what
+    AOTAutograd's partitioner (Inductor's, here) chooses. The weights are graph inputs, so
+    taking them into the backward costs nothing: its graph quantizes each weight again and
+    takes no packed weight copy, only the inputs' token copies. With RECOMPUTE_WEIGHT off it
+    takes the 16x16 weight codes instead."""
+    import importlib
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    monkeypatch.setattr(importlib.import_module("blockscale.ops.linear"), "RECOMPUTE_WEIGHT",
+                        recompute)  # fmt: skip
+    inputs: set[tuple[torch.dtype, tuple[int, ...]]] = set()
+
+    def record(gm, example_inputs):
+        for n in gm.graph.nodes:
+            if n.op == "placeholder" and isinstance(v := n.meta.get("val"), torch.Tensor):
+                inputs.add((v.dtype, tuple(v.shape)))
+        return gm
+
+    model = bsnn.convert(MLP(), recipes.get("nvfp4", stochastic_rounding=False))
+    backend = aot_autograd(
+        fw_compiler=lambda gm, _: gm,
+        bw_compiler=record,
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    # 96 tokens: the token copies' codes ([64, 48], [128, 48]) and the 16x16 weights' codes
+    # ([128, 32], [64, 64]) differ in shape
+    torch.compile(model, fullgraph=True, backend=backend)(
+        torch.randn(3, 32, 64, requires_grad=True)
+    ).square().sum().backward()
+    weights = {(torch.float32, (128, 64)), (torch.float32, (64, 128))}
+    weight_codes = {(torch.uint8, (128, 32)), (torch.uint8, (64, 64))}
+    assert {(torch.uint8, (64, 48)), (torch.uint8, (128, 48))} <= inputs, inputs
+    if recompute:
+        assert weights <= inputs and not weight_codes & inputs, inputs
+    else:
+        assert weight_codes <= inputs and not weights & inputs, inputs
+
+
 def test_dynamic_shapes_compile_gives_eager_bits():
     """dynamic=True: token counts that are and are not a multiple of the block, each with
     eager's bits. Dynamo's own trace of the autograd.Function failed here on torch 2.13

@@ -18,8 +18,14 @@ grad_weight [E, N, K]      e:     grad_output_e.T @ input_e     (2-D x 2-D, grou
 Operands and what is saved for backward follow `linear` (ops/linear.py) operand by operand:
 the input's row copy feeds the forward GEMM and its token copy (Hadamard, for grad_weight) is
 saved packed; the 16x16 expert weights serve forward and grad_input (TransposedExperts), a
-1x16 or MXFP8 recipe saves a second copy quantized along N; grad_output's two copies are made
-in the backward. Nothing in high precision is kept.
+1x16 or MXFP8 recipe quantizes a second copy along N for grad_input; grad_output's two copies
+are made in the backward. The weights' grad_input operand is rebuilt in the backward from
+weight_t itself, which is saved as a reference (linear's "Memory": the same bits, no packed
+copy kept), under the same conditions as `linear` (`recomputes_weight`): otherwise, for a
+stochastic weight config or weights computed in the forward (models/moe.py's BF16 cast of
+FP32 experts), the forward's packed copy is saved. The backward finds each expert's amax
+again (one more read of the weights): the expert quantization kernels take no given amax.
+Nothing in high precision is kept beyond that reference.
 
 Group sizes: any, 0 included. No size has to be a multiple of 16, 32 or 128: the token copies
 put each expert in a segment of its own padded with zero tokens (formats/grouped.py), exactly
@@ -49,12 +55,13 @@ import torch
 from blockscale.formats.grouped import TokenLayout, token_layout
 from blockscale.gemm.dispatch import Backend
 from blockscale.gemm.grouped import (
+    Operand,
     TransposedExperts,
     grouped_mm_rows,
     grouped_mm_tokens,
     resolve_grouped_backend,
 )
-from blockscale.ops.linear import output_dtype
+from blockscale.ops.linear import output_dtype, recomputes_weight
 from blockscale.ops.linear import unsupported_reason as linear_unsupported_reason
 from blockscale.ops.quantize import (
     load_operand,
@@ -118,6 +125,17 @@ def check_grouped_inputs(input: torch.Tensor, weight_t: torch.Tensor, offs: torc
     torch._assert_async(ok, f"grouped_mm: offs must be non-decreasing and lie in [0, M={m}]")
 
 
+def _dgrad_weight(weight_t: torch.Tensor, recipe: Recipe, shared: bool) -> Operand:
+    """grad_input's expert-weight operand rebuilt in the backward, with its `_dq`: the 16x16
+    forward copy again, transposed, when `shared`, else the copy along N; the same bits as
+    the forward's (round-to-nearest, each expert's own amax found again)."""
+    weight = weight_t.transpose(-2, -1)
+    if shared:
+        w_lp = quantize_experts(weight, recipe.output.weight, dq=True)
+        return TransposedExperts(w_lp)  # type: ignore[arg-type]
+    return quantize_experts(weight, recipe.grad_input.weight, transpose=True, dq=True)
+
+
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -136,15 +154,20 @@ class _GroupedMM(torch.autograd.Function):
             x_lp, x_t = quantize_grouped(input, offs, layout, recipe.output.input, wgrad_cfg)
             w_lp = quantize_experts(weight, recipe.output.weight, dq=True)
             out = grouped_mm_rows(x_lp, w_lp, offs, out_dtype, backend)
-            weight_for_dgrad = None
-            if ctx.needs_input_grad[0]:
-                dgrad_cfg = recipe.grad_input.weight
-                if dgrad_cfg.block == "16x16" and dgrad_cfg == recipe.output.weight:
-                    weight_for_dgrad = TransposedExperts(w_lp)
-                else:
-                    weight_for_dgrad = quantize_experts(weight, dgrad_cfg, transpose=True)
+            dgrad_cfg = recipe.grad_input.weight
+            ctx.shared = dgrad_cfg.block == "16x16" and dgrad_cfg == recipe.output.weight
+            ctx.recompute = ctx.needs_input_grad[0] and recomputes_weight(weight_t, dgrad_cfg)
+            w_tensors: list[torch.Tensor] = []
+            if ctx.recompute:
+                w_tensors = [weight_t]
+            elif ctx.needs_input_grad[0]:
+                weight_for_dgrad = (
+                    TransposedExperts(w_lp)
+                    if ctx.shared
+                    else quantize_experts(weight, dgrad_cfg, transpose=True)
+                )
+                w_tensors, ctx.weight_meta = save_operand(weight_for_dgrad)
 
-        w_tensors, ctx.weight_meta = save_operand(weight_for_dgrad)
         x_tensors, ctx.input_meta = save_operand(x_t)
         ctx.n_weight_tensors = len(w_tensors)
         ctx.save_for_backward(
@@ -171,7 +194,10 @@ class _GroupedMM(torch.autograd.Function):
                 tokens_dq=True,
             )
             if ctx.needs_input_grad[0]:
-                weight_t = load_operand(saved[:n], ctx.weight_meta)
+                if ctx.recompute:
+                    weight_t = _dgrad_weight(saved[0], recipe, ctx.shared)
+                else:
+                    weight_t = load_operand(saved[:n], ctx.weight_meta)
                 grad_input = grouped_mm_rows(go_lp, weight_t, offs, ctx.input_dtype, ctx.backend)
                 del go_lp, weight_t
             if ctx.needs_input_grad[1]:

@@ -8,19 +8,36 @@ forward   input        -> input_lp        (output.input, along K)
           weight       -> weight_lp       (output.weight, along K; 16x16 tiles by default)
           output = input_lp @ weight_lp.T * alpha + bias
           saved:  input_t_lp  = input quantized along tokens (grad_weight.input_t)
-                  weight for dgrad: the 16x16 weight_lp itself (its transpose is exact), or a
-                  copy quantized along N (grad_input.weight, transpose=True)
-backward  grad_output  -> grad_output_lp   (grad_input.grad_output, along N)
+                  weight itself (a reference) and weight_lp's amax
+backward  weight       -> weight_t         the 16x16 weight_lp again (its transpose is exact),
+                                           or a copy quantized along N (grad_input.weight)
+          grad_output  -> grad_output_lp   (grad_input.grad_output, along N)
           grad_input  = grad_output_lp @ weight_t * alpha
           grad_output  -> grad_output_t_lp (grad_weight.grad_output_t, along tokens)
           grad_weight = grad_output_t_lp @ input_t_lp.T * alpha
           grad_bias   = grad_output summed over tokens, in FP32
 ```
 
-Memory: only low-precision containers are saved for backward (packed codes, scales, amax),
-never the high-precision input when the recipe quantizes it; an NVFP4 layer saves about a
-quarter of what a BF16 layer saves. The price is that input_t is quantized in the forward,
-whether or not a backward follows (`torch.no_grad()` skips it: nothing is saved then).
+Memory: of the input only low-precision containers are saved for backward (packed codes,
+scales, amax), never the high-precision input when the recipe quantizes it. The price is that
+input_t is quantized in the forward, whether or not a backward follows (`torch.no_grad()`
+skips it: nothing is saved then). Of the weight, the backward quantizes dgrad's operand
+again from the weight itself, which the Function saves as `F.linear` does: a reference to a
+tensor that lives anyway (the parameter), plus the FP32 amax the forward scaled it with (the
+already reduced one under tensor parallel, so the backward needs no collective). A saved
+packed copy would cost 0.56 bytes per parameter (NVFP4) or 1.03 (MXFP8) of activation memory,
+~0.9 GiB at the llama-8b shape; the price is one more weight quantization per backward. The
+bits are those of the forward's copy (the same weight, config and amax; round-to-nearest is
+deterministic), and autograd's version counter raises if the weight changes in place between
+forward and backward. The forward's packed copy is still saved where rebuilding it would not
+give the same bits or would cost memory: a stochastically rounded weight config, a weight
+that arrives quantized (blockscale.distributed's all-gathered or primary weights: there are
+no high-precision values to rebuild from), and a weight computed in the forward (a cast copy,
+say: saving it would keep it alive, at 2 bytes per value or more). `RECOMPUTE_WEIGHT = False`
+saves the packed copy always. Beside the weight, which both keep, an NVFP4 layer saves about a
+quarter of what a BF16 layer saves (BF16's input). Compiled, AOTAutograd's partitioner picks
+what the backward graph keeps: with the weight a graph input, it takes the weight and
+quantizes it again there (tests/test_compile.py).
 
 Shared input: layers that read the same input tensor one after another (q/k/v projections,
 gate/up) quantize it once. The last forward's quantized input (both copies) is kept with a
@@ -91,6 +108,7 @@ import torch.utils._pytree as pytree
 from torch._dynamo import nonstrict_trace
 
 from blockscale._library import tracing
+from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.gemm.dispatch import Backend, Transposed, resolve_backend, scaled_mm
 from blockscale.ops.quantize import (
     HighPrecisionTensor,
@@ -173,6 +191,43 @@ def _is_quantized(weight: torch.Tensor) -> bool:
     return hasattr(type(weight), "quantized_copy")
 
 
+# Whether the backward quantizes dgrad's weight operand again instead of saving the forward's
+# packed copy (module docstring, "Memory"). Read at each forward; grouped_mm follows it too.
+RECOMPUTE_WEIGHT = True
+
+
+def recomputes_weight(weight: torch.Tensor, config: OperandConfig) -> bool:
+    """Whether the backward rebuilds the dgrad operand (quantized per `config`) from `weight`
+    itself, which is then saved in place of a packed copy: a plain tensor (not one that arrives
+    quantized), a round-to-nearest config (a stochastic one would draw other bits), and storage
+    that outlives the step anyway: a leaf (a parameter) or a view of one. A weight computed in
+    the forward (e.g. `w.to(torch.bfloat16)`, as models/moe.py does for F.grouped_mm) would be
+    kept alive by the save, at more bytes than its packed copy; it is told by its autograd
+    history, so one computed from a weight that needs no gradient (a frozen weight cast
+    under autograd, say) looks like a leaf and is saved. Under a trace the last rule is
+    left to the compiler: what a compiled graph keeps for its backward is chosen by
+    AOTAutograd's partitioner, not by what the Function saves (and traced inputs have no
+    autograd history to read it from)."""
+    if not RECOMPUTE_WEIGHT or _is_quantized(weight) or config.rounding is not Rounding.NEAREST:
+        return False
+    if tracing():
+        return True
+    base = weight if weight._base is None else weight._base
+    return base.grad_fn is None
+
+
+def _dgrad_weight(
+    weight: torch.Tensor, recipe: Recipe, shared: bool, amax: torch.Tensor | None
+) -> Operand:
+    """dgrad's weight operand rebuilt in the backward, with its `_dq` (it feeds the GEMM now):
+    the 16x16 forward copy again, transposed, when `shared`, else the copy along N. `amax`:
+    the forward's (the same bits as the forward's copy), None where the format has none."""
+    if shared:
+        w_lp = weight_operand(weight, recipe.output.weight, dq=True, amax=amax)
+        return Transposed(w_lp)  # type: ignore[arg-type]
+    return weight_operand(weight, recipe.grad_input.weight, transpose=True, dq=True, amax=amax)
+
+
 @dataclass(frozen=True)
 class AmaxReduction:
     """Which operands of a linear are shards of a logically whole tensor, and the collective
@@ -204,6 +259,21 @@ def _reduced(
         return amaxes
     whole = iter(reduction.reduce(torch.stack(present)).unbind(0))
     return [None if a is None else next(whole) for a in amaxes]
+
+
+def _dgrad_amax(
+    config: OperandConfig, w_lp: QuantizedOperand, w_amax: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The tensor amax dgrad's weight copy is scaled with, for the backward to reuse: the
+    reduced one under tensor parallel, else the forward copy's own (max |w|: no recipe puts a
+    Hadamard transform on a weight, so every NVFP4 copy of it has this amax). None for a
+    non-NVFP4 config, or where the forward copy has no amax either (then the backward's
+    quantizer finds it, as the forward's separate copy did)."""
+    if config.format is not Format.NVFP4:
+        return None
+    if w_amax is not None:
+        return w_amax
+    return w_lp.amax if isinstance(w_lp, NVFP4Tensor) else None
 
 
 # Whether consecutive forwards on the same input tensor share its quantization (module docstring).
@@ -293,9 +363,8 @@ class _Linear(torch.autograd.Function):
         with torch.autocast(input.device.type, enabled=False):
             wgrad_cfg = recipe.grad_weight.input_t if ctx.needs_input_grad[1] else None
             dgrad_cfg = recipe.grad_input.weight
-            dgrad_copy = ctx.needs_input_grad[0] and not (
-                dgrad_cfg.block == "16x16" and dgrad_cfg == recipe.output.weight
-            )
+            shared = dgrad_cfg.block == "16x16" and dgrad_cfg == recipe.output.weight
+            dgrad_copy = ctx.needs_input_grad[0] and not shared
             x_amax = tokens_amax = w_amax = None
             if sharded is not None:
                 local: list[torch.Tensor | None] = [None, None, None]
@@ -314,16 +383,22 @@ class _Linear(torch.autograd.Function):
             w_lp = weight_operand(weight, recipe.output.weight, dq=True, amax=w_amax)
             out = _mm(x_lp, w_lp, out_dtype, out_dtype, backend, bias)
 
-            weight_for_dgrad: Operand | None = None
-            if ctx.needs_input_grad[0]:
-                if dgrad_copy:
-                    weight_for_dgrad = weight_operand(
-                        weight, dgrad_cfg, transpose=True, amax=w_amax
-                    )
-                else:
-                    weight_for_dgrad = Transposed(w_lp)  # type: ignore[arg-type]
+            # What dgrad's weight operand is rebuilt from in the backward (the weight itself and
+            # the amax), or its packed copy (module docstring, "Memory").
+            ctx.recompute = ctx.needs_input_grad[0] and recomputes_weight(weight, dgrad_cfg)
+            ctx.shared = shared
+            w_tensors: list[torch.Tensor] = []
+            if ctx.recompute:
+                dgrad_amax = _dgrad_amax(dgrad_cfg, w_lp, w_amax)
+                w_tensors = [weight] if dgrad_amax is None else [weight, dgrad_amax]
+            elif ctx.needs_input_grad[0]:
+                weight_for_dgrad = (
+                    weight_operand(weight, dgrad_cfg, transpose=True, amax=w_amax)
+                    if dgrad_copy
+                    else Transposed(w_lp)  # type: ignore[arg-type]
+                )
+                w_tensors, ctx.weight_meta = save_operand(weight_for_dgrad)
 
-        w_tensors, ctx.weight_meta = save_operand(weight_for_dgrad)
         x_tensors, ctx.input_meta = save_operand(input_t)
         ctx.n_weight_tensors = len(w_tensors)
         ctx.save_for_backward(*w_tensors, *x_tensors)
@@ -354,7 +429,11 @@ class _Linear(torch.autograd.Function):
                 go, row_cfg, tokens_cfg, tokens_dq=True, row_amax=go_amax, tokens_amax=tokens_amax
             )
             if ctx.needs_input_grad[0]:
-                weight_t = load_operand(saved[:n], ctx.weight_meta)
+                if ctx.recompute:
+                    weight, *amax = saved[:n]
+                    weight_t = _dgrad_weight(weight, recipe, ctx.shared, amax[0] if amax else None)
+                else:
+                    weight_t = load_operand(saved[:n], ctx.weight_meta)
                 grad_input = _mm(go_lp, weight_t, ctx.input_dtype, ctx.compute_dtype, ctx.backend)
                 grad_input = grad_input.reshape(ctx.input_shape)
                 # Release grad_output's `_dq` operand and the weight's before grad_weight
