@@ -386,6 +386,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-shared-input", action="store_true",
                         help="quantize every layer's input on its own (ops/linear.py's "
                              "SHARE_INPUT_QUANTIZATION off: q/k/v and gate/up each quantize it)")  # fmt: skip
+    parser.add_argument("--no-recompute-weight", action="store_true",
+                        help="save each weight's packed dgrad copy for backward (ops/linear.py's "
+                             "RECOMPUTE_WEIGHT off) instead of quantizing it again there")  # fmt: skip
     parser.add_argument("--device", default=None)
     parser.add_argument("--quick", action="store_true",
                         help="CPU smoke test: batch 2, sequence 32, 1 warm-up, 2 steps")  # fmt: skip
@@ -412,6 +415,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     importlib.import_module(
         "blockscale.ops.linear"
     ).SHARE_INPUT_QUANTIZATION = not args.no_shared_input
+    importlib.import_module("blockscale.ops.linear").RECOMPUTE_WEIGHT = not args.no_recompute_weight
     info = harness.banner(device)
     rows: list[dict[str, Any]] = []
     for name in models:
@@ -429,6 +433,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                               "batch_size": args.batch_size, "seq_len": args.seq_len,
                               "inline_triton": args.inline_triton,
                               "shared_input": not args.no_shared_input,
+                              "recompute_weight": not args.no_recompute_weight,
                               "compile_mode": args.compile_mode, "rows": rows}  # fmt: skip
                     harness.write_json(args.out, record)
     add_ratios(rows)

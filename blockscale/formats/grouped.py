@@ -176,11 +176,19 @@ def nvfp4_quantize_tokens(
 
 
 def nvfp4_quantize_experts(
-    w: torch.Tensor, block: str = "16x16", transpose: bool = False
+    w: torch.Tensor,
+    block: str = "16x16",
+    transpose: bool = False,
+    amax: torch.Tensor | None = None,
 ) -> NVFP4Tensor:
     """Expert weights w [E, N, K] quantized expert by expert along K (transpose=True: along N,
-    giving [E, K, N]), each with its own amax; amax [E]."""
-    qs = [nvfp4.quantize(w[e], block=block, transpose=transpose) for e in range(w.shape[0])]
+    giving [E, K, N]), each with its own amax (`amax` [E] as given, or max |w[e]|); amax [E]."""
+    qs = [
+        nvfp4.quantize(
+            w[e], block=block, transpose=transpose, amax=None if amax is None else amax[e]
+        )
+        for e in range(w.shape[0])
+    ]
     rows, cols = (w.shape[2], w.shape[1]) if transpose else (w.shape[1], w.shape[2])
     if not qs:
         data, scale = _empty_like_nvfp4(0, cols, w.device)

@@ -278,13 +278,18 @@ def group_amax(
     return (out[0] if plain else None), (out[1] if hadamard else None)
 
 
-def _expert_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _expert_rows(
+    w: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(w as [E*N, K] rows, each row's expert as int32, each expert's max |w| as FP32 [E]):
-    the amaxes from one read (the group amax kernel over the rows, no |w| temporary)."""
+    the amaxes from one read (the group amax kernel over the rows, no |w| temporary), or
+    `amax` as given (the backward's copy reuses the forward's)."""
     E, N, K = w.shape
     rows = w.reshape(E * N, K)
     group = torch.arange(E * N, device=w.device, dtype=torch.int32) // max(N, 1)
-    return rows, group, _group_amax_2d(rows, None, group, E, True, False)[0]
+    if amax is None:
+        amax = _group_amax_2d(rows, None, group, E, True, False)[0]
+    return rows, group, amax.float().contiguous()
 
 
 def _nvfp4_grouped(data, scale, amax, shape, block, hadamard) -> NVFP4Tensor:
@@ -346,10 +351,16 @@ def nvfp4_quantize_grouped(
     return row_out, tok_out
 
 
-def nvfp4_quantize_experts(w: torch.Tensor, block: str = "16x16", return_dq: bool = False):
+def nvfp4_quantize_experts(
+    w: torch.Tensor,
+    block: str = "16x16",
+    return_dq: bool = False,
+    amax: torch.Tensor | None = None,
+):
     """Expert weights w [E, N, K] quantized along K, each expert with its own amax (one pass
-    for the amaxes, one for the codes). formats.grouped.nvfp4_quantize_experts, fast."""
-    w2, group, amax = _expert_rows(w)
+    for the amaxes unless `amax` [E] is given, one for the codes).
+    formats.grouped.nvfp4_quantize_experts, fast."""
+    w2, group, amax = _expert_rows(w, amax)
     data, scale, dq, *_ = _nvfp4_quantize_grouped_2d(
         w2, None, group, amax, amax, None, row=True, col=False, row_2d=block == "16x16",
         row_sr=False, col_sr=False, col_hadamard=False, dq_row=return_dq, dq_col=False,
@@ -358,11 +369,14 @@ def nvfp4_quantize_experts(w: torch.Tensor, block: str = "16x16", return_dq: boo
     return (q, dq.reshape(w.shape)) if return_dq else q
 
 
-def nvfp4_quantize_experts_t(w: torch.Tensor, return_dq: bool = False):
+def nvfp4_quantize_experts_t(
+    w: torch.Tensor, return_dq: bool = False, amax: torch.Tensor | None = None
+):
     """Expert weights w [E, N, K] quantized along N in 1x16 blocks, each expert with its own
-    amax: the dgrad copy of a 1x16 recipe, as [E, K, N] (a strided view per expert)."""
+    amax (`amax` [E] if given): the dgrad copy of a 1x16 recipe, as [E, K, N] (a strided view
+    per expert)."""
     E, N, K = w.shape
-    w2, group, amax = _expert_rows(w)
+    w2, group, amax = _expert_rows(w, amax)
     *_, data_t, scale_t, dq_t = _nvfp4_quantize_grouped_2d(
         w2, None, group, amax, amax, None, row=False, col=True, row_2d=False,
         row_sr=False, col_sr=False, col_hadamard=False, dq_row=False, dq_col=return_dq,

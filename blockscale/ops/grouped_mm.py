@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from blockscale._library import tracing
 from blockscale.formats.grouped import TokenLayout, token_layout
 from blockscale.gemm.dispatch import Backend
 from blockscale.gemm.grouped import (
@@ -69,7 +70,7 @@ from blockscale.ops.quantize import (
     quantize_grouped,
     save_operand,
 )
-from blockscale.recipes import Recipe, require_recipe
+from blockscale.recipes import Format, OperandConfig, Recipe, require_recipe
 
 
 def unsupported_reason(k: int, n: int, recipe: Recipe) -> str | None:
@@ -125,15 +126,28 @@ def check_grouped_inputs(input: torch.Tensor, weight_t: torch.Tensor, offs: torc
     torch._assert_async(ok, f"grouped_mm: offs must be non-decreasing and lie in [0, M={m}]")
 
 
-def _dgrad_weight(weight_t: torch.Tensor, recipe: Recipe, shared: bool) -> Operand:
+def _dgrad_weight(
+    weight_t: torch.Tensor, recipe: Recipe, shared: bool, amax: torch.Tensor | None
+) -> Operand:
     """grad_input's expert-weight operand rebuilt in the backward, with its `_dq`: the 16x16
     forward copy again, transposed, when `shared`, else the copy along N; the same bits as
-    the forward's (round-to-nearest, each expert's own amax found again)."""
+    the forward's (round-to-nearest, each expert scaled with the forward copy's amax, `amax`;
+    None for MXFP8, which has none)."""
     weight = weight_t.transpose(-2, -1)
     if shared:
-        w_lp = quantize_experts(weight, recipe.output.weight, dq=True)
+        w_lp = quantize_experts(weight, recipe.output.weight, dq=True, amax=amax)
         return TransposedExperts(w_lp)  # type: ignore[arg-type]
-    return quantize_experts(weight, recipe.grad_input.weight, transpose=True, dq=True)
+    cfg = recipe.grad_input.weight
+    return quantize_experts(weight, cfg, transpose=True, dq=True, amax=amax)
+
+
+def _experts_amax(config: OperandConfig, w_lp: Operand) -> torch.Tensor | None:
+    """The experts' FP32 amaxes [E] of the forward's copy, for the backward's dgrad copy: the
+    same max |w[e]| (no recipe puts a Hadamard transform on a weight); None for MXFP8."""
+    if config.format is not Format.NVFP4:
+        return None
+    amax = getattr(w_lp, "amax", None)
+    return amax if isinstance(amax, torch.Tensor) else None
 
 
 class _GroupedMM(torch.autograd.Function):
@@ -156,10 +170,17 @@ class _GroupedMM(torch.autograd.Function):
             out = grouped_mm_rows(x_lp, w_lp, offs, out_dtype, backend)
             dgrad_cfg = recipe.grad_input.weight
             ctx.shared = dgrad_cfg.block == "16x16" and dgrad_cfg == recipe.output.weight
-            ctx.recompute = ctx.needs_input_grad[0] and recomputes_weight(weight_t, dgrad_cfg)
+            # Not under a trace: the experts' weights usually reach here as a cast made in the
+            # forward (models/moe.py, and transformers' experts under autocast), and a compiled
+            # backward that rebuilds from it kept the BF16 cast alive instead (measured on an
+            # H100, compiled MoE layer: nvfp4 peak 0.93x -> 1.41x BF16's, docs/TRAINING.md).
+            ctx.recompute = (
+                ctx.needs_input_grad[0] and not tracing() and recomputes_weight(weight_t, dgrad_cfg)
+            )
             w_tensors: list[torch.Tensor] = []
             if ctx.recompute:
-                w_tensors = [weight_t]
+                amax = _experts_amax(dgrad_cfg, w_lp)
+                w_tensors = [weight_t] if amax is None else [weight_t, amax]
             elif ctx.needs_input_grad[0]:
                 weight_for_dgrad = (
                     TransposedExperts(w_lp)
@@ -195,7 +216,8 @@ class _GroupedMM(torch.autograd.Function):
             )
             if ctx.needs_input_grad[0]:
                 if ctx.recompute:
-                    weight_t = _dgrad_weight(saved[0], recipe, ctx.shared)
+                    amax = saved[1] if n == 2 else None
+                    weight_t = _dgrad_weight(saved[0], recipe, ctx.shared, amax)
                 else:
                     weight_t = load_operand(saved[:n], ctx.weight_meta)
                 grad_input = grouped_mm_rows(go_lp, weight_t, offs, ctx.input_dtype, ctx.backend)

@@ -386,10 +386,16 @@ def quantize_grouped(
 
 
 def quantize_experts(
-    w: torch.Tensor, config: OperandConfig, transpose: bool = False, dq: bool = False
+    w: torch.Tensor,
+    config: OperandConfig,
+    transpose: bool = False,
+    dq: bool = False,
+    amax: torch.Tensor | None = None,
 ) -> QuantizedOperand:
     """Expert weights w [E, N, K] quantized per `config`, each expert with its own amax: along K
-    ([E, N, K]), or with transpose=True along N ([E, K, N], the grad_input copy)."""
+    ([E, N, K]), or with transpose=True along N ([E, K, N], the grad_input copy). `amax` (NVFP4
+    only, FP32 [E]): the experts' amaxes to scale with instead of finding them (a backward
+    rebuilding the forward's copy); ignored for MXFP8, which has none."""
     if not config.quantized:
         raise ValueError("quantize_experts needs a quantized config (BF16 weights are used as is)")
     kernels = _library.use_kernels(w)
@@ -397,11 +403,11 @@ def quantize_experts(
         if transpose and config.block == "16x16":
             raise ValueError("a 16x16 weight's transpose is exact: use TransposedExperts")
         if not kernels:
-            return grouped.nvfp4_quantize_experts(w, config.block, transpose=transpose)
+            return grouped.nvfp4_quantize_experts(w, config.block, transpose=transpose, amax=amax)
         if transpose:
-            out = _kernels().nvfp4_quantize_experts_t(w, return_dq=dq)
+            out = _kernels().nvfp4_quantize_experts_t(w, return_dq=dq, amax=amax)
         else:
-            out = _kernels().nvfp4_quantize_experts(w, config.block, return_dq=dq)
+            out = _kernels().nvfp4_quantize_experts(w, config.block, return_dq=dq, amax=amax)
     else:
         if not kernels:
             return grouped.mxfp8_quantize_experts(w, transpose=transpose)
