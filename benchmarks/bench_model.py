@@ -412,10 +412,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         recipes.get(r)  # an unknown name fails before any model is built
     modes = ["eager"] if args.eager else ["compile"] if args.compile else ["eager", "compile"]
     _library.INLINE_TRITON_KERNELS = args.inline_triton
-    importlib.import_module(
-        "blockscale.ops.linear"
-    ).SHARE_INPUT_QUANTIZATION = not args.no_shared_input
-    importlib.import_module("blockscale.ops.linear").RECOMPUTE_WEIGHT = not args.no_recompute_weight
+    ops_linear = importlib.import_module("blockscale.ops.linear")
+    ops_linear.SHARE_INPUT_QUANTIZATION = not args.no_shared_input
+    ops_linear.RECOMPUTE_WEIGHT = not args.no_recompute_weight
     info = harness.banner(device)
     rows: list[dict[str, Any]] = []
     for name in models:

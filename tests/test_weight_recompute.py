@@ -103,23 +103,30 @@ def linear_inputs(lead=(2, 21), k=64, n=96, dtype=torch.float32):
     return x.to(dtype), w, b, go.to(dtype)
 
 
+def spy_strides(monkeypatch, module, name: str) -> list:
+    """Record the `_dq` operands' strides of each call of the GEMM `module.name` (undone at
+    the test's end)."""
+    strides: list = []
+    gemm = getattr(module, name)
+
+    def spy(a, b_op, *args, **kwargs):
+        strides.append((a.dq().stride(), b_op.dq().stride()))
+        return gemm(a, b_op, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return strides
+
+
 def linear_step(x, w, b, go, recipe, monkeypatch):
     """(output, grad_input, grad_weight, grad_bias), the `_dq` operands' strides of the three
     GEMMs, and the storages saved for backward."""
     x, w, b = (t.detach().clone().requires_grad_(True) for t in (x, w, b))
-    strides = []
-    mm = ops_linear._mm
-
-    def spy(a, b_op, *args, **kwargs):
-        strides.append((a.dq().stride(), b_op.dq().stride()))
-        return mm(a, b_op, *args, **kwargs)
-
-    monkeypatch.setattr(ops_linear, "_mm", spy)
-    with Saved() as saved:
-        y = bs.linear(x, w, b, recipe)
-    torch.manual_seed(7)
-    y.backward(go)
-    monkeypatch.setattr(ops_linear, "_mm", mm)
+    with monkeypatch.context() as m:
+        strides = spy_strides(m, ops_linear, "_mm")
+        with Saved() as saved:
+            y = bs.linear(x, w, b, recipe)
+        torch.manual_seed(7)
+        y.backward(go)
     return [y, x.grad, w.grad, b.grad], strides, storage(w) in saved.storages()
 
 
@@ -270,19 +277,12 @@ def grouped_inputs(sizes=(44, 0, 1, 37), tail=5, k=64, n=64):
 
 def grouped_step(x, w, go, offs, recipe, monkeypatch):
     x, w = (t.detach().clone().requires_grad_(True) for t in (x, w))
-    strides = []
-    rows = ops_grouped.grouped_mm_rows
-
-    def spy(a, b_op, *args, **kwargs):
-        strides.append((a.dq().stride(), b_op.dq().stride()))
-        return rows(a, b_op, *args, **kwargs)
-
-    monkeypatch.setattr(ops_grouped, "grouped_mm_rows", spy)
-    with Saved() as saved:
-        out = bs.grouped_mm(x, w.transpose(-2, -1), offs, recipe)
-    torch.manual_seed(7)
-    out.backward(go)
-    monkeypatch.setattr(ops_grouped, "grouped_mm_rows", rows)
+    with monkeypatch.context() as m:
+        strides = spy_strides(m, ops_grouped, "grouped_mm_rows")
+        with Saved() as saved:
+            out = bs.grouped_mm(x, w.transpose(-2, -1), offs, recipe)
+        torch.manual_seed(7)
+        out.backward(go)
     return [out, x.grad, w.grad], strides, storage(w) in saved.storages()
 
 
@@ -389,7 +389,7 @@ def test_grouped_mm_under_a_trace_keeps_the_packed_copy(monkeypatch):
     went from 0.93x to 1.41x BF16's). linear recomputes under a trace, grouped_mm does not."""
     x, w, _, offs = grouped_inputs()
     w.requires_grad_()
-    monkeypatch.setattr(ops_grouped, "tracing", lambda: True)
+    monkeypatch.setattr(ops_linear, "tracing", lambda: True)  # recomputes_weight reads it
     with Saved() as saved:
         bs.grouped_mm(x.requires_grad_(), w.transpose(-2, -1), offs, RECIPES["nvfp4-nearest"])
     assert storage(w) not in saved.storages()

@@ -90,6 +90,18 @@ def _find_group(tile_ends_ptr, t, E, SEARCH_STEPS: tl.constexpr):
 
 
 @triton.jit
+def _rows_k_step(a_desc, b_desc, r0, n0, g, ki, acc, B_KMAJOR: tl.constexpr,
+                 DOT_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """acc + one BK step of the contraction: rows r0.. of a against expert g's weight tile n0.."""
+    a = a_desc.load([r0, ki * BK])
+    if B_KMAJOR:
+        b = tl.reshape(b_desc.load([g, n0, ki * BK]), [BN, BK]).T
+    else:
+        b = tl.reshape(b_desc.load([g, ki * BK, n0]), [BK, BN])
+    return _dot(a, b, acc, DOT_F32)
+
+
+@triton.jit
 def _rows_tile(
     a_desc, b_desc, out_ptr, stride_om, offs_ptr, tile_ends_ptr, amax_a_ptr, amax_b_ptr,
     t, pid_n, M, N, K, E,
@@ -110,21 +122,11 @@ def _rows_tile(
     if INTERPRET:
         ki = 0
         while ki < k_tiles:
-            a = a_desc.load([r0, ki * BK])
-            if B_KMAJOR:
-                b = tl.reshape(b_desc.load([g, n0, ki * BK]), [BN, BK]).T
-            else:
-                b = tl.reshape(b_desc.load([g, ki * BK, n0]), [BK, BN])
-            acc = _dot(a, b, acc, DOT_F32)
+            acc = _rows_k_step(a_desc, b_desc, r0, n0, g, ki, acc, B_KMAJOR, DOT_F32, BN, BK)
             ki += 1
     else:
         for ki in range(k_tiles):
-            a = a_desc.load([r0, ki * BK])
-            if B_KMAJOR:
-                b = tl.reshape(b_desc.load([g, n0, ki * BK]), [BN, BK]).T
-            else:
-                b = tl.reshape(b_desc.load([g, ki * BK, n0]), [BK, BN])
-            acc = _dot(a, b, acc, DOT_F32)
+            acc = _rows_k_step(a_desc, b_desc, r0, n0, g, ki, acc, B_KMAJOR, DOT_F32, BN, BK)
     alpha = _alpha(amax_a_ptr, amax_b_ptr, g, E, HAS_ALPHA)
     acc = _mul_rn(acc, tl.broadcast_to(alpha, [BM, BN]), ASM)
     rows = r0 + tl.arange(0, BM)

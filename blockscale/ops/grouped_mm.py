@@ -21,11 +21,11 @@ saved packed; the 16x16 expert weights serve forward and grad_input (TransposedE
 1x16 or MXFP8 recipe quantizes a second copy along N for grad_input; grad_output's two copies
 are made in the backward. The weights' grad_input operand is rebuilt in the backward from
 weight_t itself, which is saved as a reference (linear's "Memory": the same bits, no packed
-copy kept), under the same conditions as `linear` (`recomputes_weight`): otherwise, for a
-stochastic weight config or weights computed in the forward (models/moe.py's BF16 cast of
-FP32 experts), the forward's packed copy is saved. The backward finds each expert's amax
-again (one more read of the weights): the expert quantization kernels take no given amax.
-Nothing in high precision is kept beyond that reference.
+copy kept, each expert scaled with the forward copy's amax), under the same conditions as
+`linear` (`recomputes_weight`) except under torch.compile: otherwise, for a stochastic weight
+config, weights computed in the forward (models/moe.py's BF16 cast of FP32 experts) or a
+traced step, the forward's packed copy is saved. Nothing in high precision is kept beyond
+that reference.
 
 Group sizes: any, 0 included. No size has to be a multiple of 16, 32 or 128: the token copies
 put each expert in a segment of its own padded with zero tokens (formats/grouped.py), exactly
@@ -52,7 +52,6 @@ from typing import Any
 
 import torch
 
-from blockscale._library import tracing
 from blockscale.formats.grouped import TokenLayout, token_layout
 from blockscale.gemm.dispatch import Backend
 from blockscale.gemm.grouped import (
@@ -62,7 +61,7 @@ from blockscale.gemm.grouped import (
     grouped_mm_tokens,
     resolve_grouped_backend,
 )
-from blockscale.ops.linear import output_dtype, recomputes_weight
+from blockscale.ops.linear import dgrad_amax, output_dtype, recomputes_weight
 from blockscale.ops.linear import unsupported_reason as linear_unsupported_reason
 from blockscale.ops.quantize import (
     load_operand,
@@ -70,7 +69,7 @@ from blockscale.ops.quantize import (
     quantize_grouped,
     save_operand,
 )
-from blockscale.recipes import Format, OperandConfig, Recipe, require_recipe
+from blockscale.recipes import Recipe, require_recipe
 
 
 def unsupported_reason(k: int, n: int, recipe: Recipe) -> str | None:
@@ -141,15 +140,6 @@ def _dgrad_weight(
     return quantize_experts(weight, cfg, transpose=True, dq=True, amax=amax)
 
 
-def _experts_amax(config: OperandConfig, w_lp: Operand) -> torch.Tensor | None:
-    """The experts' FP32 amaxes [E] of the forward's copy, for the backward's dgrad copy: the
-    same max |w[e]| (no recipe puts a Hadamard transform on a weight); None for MXFP8."""
-    if config.format is not Format.NVFP4:
-        return None
-    amax = getattr(w_lp, "amax", None)
-    return amax if isinstance(amax, torch.Tensor) else None
-
-
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -170,16 +160,13 @@ class _GroupedMM(torch.autograd.Function):
             out = grouped_mm_rows(x_lp, w_lp, offs, out_dtype, backend)
             dgrad_cfg = recipe.grad_input.weight
             ctx.shared = dgrad_cfg.block == "16x16" and dgrad_cfg == recipe.output.weight
-            # Not under a trace: the experts' weights usually reach here as a cast made in the
-            # forward (models/moe.py, and transformers' experts under autocast), and a compiled
-            # backward that rebuilds from it kept the BF16 cast alive instead (measured on an
-            # H100, compiled MoE layer: nvfp4 peak 0.93x -> 1.41x BF16's, docs/TRAINING.md).
-            ctx.recompute = (
-                ctx.needs_input_grad[0] and not tracing() and recomputes_weight(weight_t, dgrad_cfg)
+            # not under a trace: compiled, the experts' weights are usually a forward-made cast
+            ctx.recompute = ctx.needs_input_grad[0] and recomputes_weight(
+                weight_t, dgrad_cfg, under_trace=False
             )
             w_tensors: list[torch.Tensor] = []
             if ctx.recompute:
-                amax = _experts_amax(dgrad_cfg, w_lp)
+                amax = dgrad_amax(dgrad_cfg, w_lp)
                 w_tensors = [weight_t] if amax is None else [weight_t, amax]
             elif ctx.needs_input_grad[0]:
                 weight_for_dgrad = (
