@@ -1,0 +1,259 @@
+"""What one training step keeps for the backward, per recipe, at the bench_model shapes, on the
+CPU with no GPU and no activation memory: the floor under a step's peak memory.
+
+A step's peak is at least the parameter state (FP32 weights, gradients and AdamW's two moments:
+16 bytes a parameter, the same for every recipe) plus what the forward saves for the backward.
+This script counts the second term exactly as the GPU run would make it, on the kernel path
+(`use_kernels` forced on: the Triton ops' fake impls give the shapes and dtypes the kernels
+write), without running a kernel:
+
+- compile: plain `torch.compile(model, fullgraph=True)` with AOTAutograd and the min-cut
+  partitioner Inductor uses (`compiler="inductor"`); the saved tensors are the forward graph's
+  outputs past the user's, read from their fake values, and the run stops before anything
+  executes. Parameters the backward takes as graph inputs are references, not counted.
+- eager: the step's forward under FakeTensorMode, with `saved_tensors_hooks` collecting the
+  unique storages autograd keeps (a view counts its whole storage), parameters left out.
+
+Both under BF16 autocast, as bench_model.py's step. What this leaves out is the same for every
+recipe to first order: the loss stage (the FP32 logits, their log-softmax and gradient) and the
+allocator's slack. So with a measured BF16 peak (`--measured`, bench_model JSON files), a
+recipe's peak is predicted as BF16's minus BF16's saved bytes plus the recipe's; a measured peak
+above that prediction is memory the recipe holds beyond its saved tensors (backward workspaces,
+buffers a compiled graph keeps longer). bench_model's step sets the gradients to None, so at
+the end of the forward the parameter state is 12 bytes a parameter (weight and AdamW's two
+moments); `floor_gib` adds the saved activations to it.
+
+    python benchmarks/saved_activations_cpu.py --models llama-1b,llama-8b --modes compile,eager \\
+        --measured docs/results/bench_model_llama1b_eager_recompute_h100.json,... \\
+        --out docs/results/saved_activations_cpu.json     # (no TRITON_INTERPRET)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
+
+from bench_model import MODELS, RECIPES, build  # noqa: E402
+
+from blockscale import _library, recipes  # noqa: E402
+from blockscale import nn as bsnn  # noqa: E402
+from blockscale.recipes import Rounding  # noqa: E402
+
+# the module (blockscale.ops re-exports the function `linear` under the same name)
+linear_ops = importlib.import_module("blockscale.ops.linear")
+
+# FP32 weight, AdamW exp_avg and exp_avg_sq; the gradients are None at the forward's end
+PARAM_STATE_BYTES = 12
+FLOAT_DTYPES = {"torch.bfloat16", "torch.float16", "torch.float32"}
+
+
+class _Stop(Exception):
+    pass
+
+
+# ops whose output shares its input's storage: a saved tensor made by one is charged to the op
+# that wrote the storage
+_VIEWS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "slice", "select",
+          "alias", "expand", "unsqueeze", "squeeze", "getitem"}  # fmt: skip
+
+
+def _producer(node) -> str:
+    """The op that wrote a saved node's storage, through views and tuple indexing."""
+    while node.op == "call_function" and node.args:
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        if name not in _VIEWS or not hasattr(node.args[0], "op"):
+            break
+        node = node.args[0]
+    return str(node.target) if node.op == "call_function" else node.op
+
+
+def _model(name: str, recipe: str, seq_len: int) -> torch.nn.Module:
+    """The bench_model model, its parameters allocated but never written (nothing runs)."""
+    model, _ = build(MODELS[name], None, seq_len, torch.device("meta"))
+    model = model.to_empty(device="cpu")
+    if recipe != "bf16":
+        bsnn.convert(model, recipes.get(recipe), module_filter_fn=bsnn.layer_policy(model))
+    return model
+
+
+def _logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(tokens)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def saved_compiled(model: torch.nn.Module, tokens: torch.Tensor) -> list[tuple[str, str, tuple]]:
+    """(producer, dtype, shape, bytes) of each activation the compiled forward saves."""
+    saved: list = []
+
+    def partition(joint, joint_inputs, **kwargs):
+        fw, bw = min_cut_rematerialization_partition(
+            joint, joint_inputs, compiler="inductor", **kwargs
+        )
+        output = next(n for n in fw.graph.nodes if n.op == "output").args[0]
+        for node in output[kwargs["num_fwd_outputs"] :]:
+            value = node.meta.get("val") if hasattr(node, "meta") else None
+            if node.op == "placeholder" or not isinstance(value, torch.Tensor):
+                continue  # a graph input (a parameter) or a symbolic size
+            nbytes = value.numel() * value.element_size()
+            saved.append((_producer(node), str(value.dtype), tuple(value.shape), nbytes))
+        raise _Stop
+
+    backend = aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
+                           partition_fn=partition)  # fmt: skip
+    torch._dynamo.reset()
+    try:
+        _logits(torch.compile(model, backend=backend, fullgraph=True), tokens)
+    except Exception as e:  # Dynamo wraps the backend's exception
+        if "_Stop" not in repr(e) and not isinstance(e.__cause__, _Stop):
+            raise
+    return saved
+
+
+def saved_eager(model: torch.nn.Module, tokens: torch.Tensor) -> list[tuple[str, str, tuple]]:
+    """The same for an eager forward, run on fake tensors (the producer is not known: "?").
+
+    Eager linears that read one input tensor share its quantization (ops/linear.py, "Shared
+    input"), which the library turns off under any trace mode, FakeTensorMode included; it is
+    turned back on here, so the count keeps one saved copy per input as a real eager step."""
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    seen: dict[StorageWeakRef, tuple] = {}
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake = {name: mode.from_tensor(t, static_shapes=True) for name, t in params.items()}
+        for name, t in fake.items():
+            t.requires_grad_(params[name].requires_grad)
+        held = {StorageWeakRef(t.untyped_storage()) for t in fake.values()}
+        fake.update({name: mode.from_tensor(t) for name, t in buffers.items()})
+        ids = mode.from_tensor(tokens)
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            ref = StorageWeakRef(t.untyped_storage())
+            if ref not in held and ref not in seen:
+                seen[ref] = ("?", str(t.dtype), tuple(t.shape), t.untyped_storage().nbytes())
+            return t
+
+        shareable = linear_ops._shareable
+        linear_ops._shareable = lambda *configs: (
+            linear_ops.SHARE_INPUT_QUANTIZATION
+            and all(c is None or c.rounding is Rounding.NEAREST for c in configs)
+        )
+        try:
+            with (
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+                torch.autocast("cpu", dtype=torch.bfloat16),
+            ):
+                torch.func.functional_call(model, fake, (ids,))
+        finally:
+            linear_ops._shareable = shareable
+            linear_ops._SHARED.clear()
+            # (the loss adds the same for every recipe: the FP32 logits' log-softmax)
+    return list(seen.values())
+
+
+def summarize(saved: list) -> dict:
+    by_dtype: dict[str, int] = collections.Counter()
+    by_site: dict[tuple, int] = collections.Counter()
+    for target, dtype, shape, nbytes in saved:
+        by_dtype[dtype] += nbytes
+        by_site[(target, dtype, shape)] += nbytes
+    top = sorted(by_site.items(), key=lambda kv: -kv[1])[:12]
+    # a quantize op's floating outputs are its `_dq` operands (and amax scalars): a `_dq` saved
+    # for backward is the BF16 copy the packed codes exist to avoid
+    dq_bytes = sum(
+        nbytes
+        for target, dtype, shape, nbytes in saved
+        if "quantize" in target and dtype in FLOAT_DTYPES and math.prod(shape) > 2
+    )
+    return {
+        "saved_gib": sum(by_dtype.values()) / 2**30,
+        "saved_bytes": sum(by_dtype.values()),
+        "quantize_float_outputs_bytes": dq_bytes,
+        "by_dtype_gib": {k: v / 2**30 for k, v in sorted(by_dtype.items())},
+        "largest": [
+            {"op": t, "dtype": d, "shape": list(s), "gib": b / 2**30} for (t, d, s), b in top
+        ],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="llama-1b")
+    parser.add_argument("--recipes", default="bf16,nvfp4,mxfp8")
+    parser.add_argument("--modes", default="compile,eager")
+    parser.add_argument("--batch-size", type=int, default=0, help="0: 8 for 1B shapes, 4 for 8B")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--measured", default="", help="comma list of bench_model JSON files")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    _library.use_kernels = lambda t: True  # the kernel path's ops, as on CUDA
+
+    measured = {}
+    for path in filter(None, args.measured.split(",")):
+        for r in json.loads(Path(path).read_text())["rows"]:
+            if r.get("status") == "ok":
+                measured[(r["model"], r["mode"], r["recipe"])] = r["peak_gib"]
+    rows = []
+    for name in args.models.split(","):
+        batch = args.batch_size or (4 if name == "llama-8b" else 8)
+        tokens = torch.zeros(batch, args.seq_len, dtype=torch.long)
+        for mode in args.modes.split(","):
+            base = None
+            for recipe in args.recipes.split(","):
+                if recipe not in RECIPES:
+                    parser.error(f"unknown recipe {recipe!r}")
+                start = time.perf_counter()
+                model = _model(name, recipe, args.seq_len)
+                n_params = sum(p.numel() for p in model.parameters())
+                saved = (saved_compiled if mode == "compile" else saved_eager)(model, tokens)
+                row = {"model": name, "mode": mode, "recipe": recipe, "batch": batch,
+                       "seq_len": args.seq_len, "params_m": n_params / 1e6,
+                       "param_state_gib": n_params * PARAM_STATE_BYTES / 2**30,
+                       **summarize(saved)}  # fmt: skip
+                row["floor_gib"] = row["param_state_gib"] + row["saved_gib"]
+                base = row if recipe == "bf16" else base
+                line = ""
+                if base is not None:
+                    row["saved_vs_bf16"] = row["saved_gib"] / base["saved_gib"]
+                    row["floor_vs_bf16"] = row["floor_gib"] / base["floor_gib"]
+                    line = f"(x{row['saved_vs_bf16']:.3f}), floor x{row['floor_vs_bf16']:.3f}"
+                bf16_peak = measured.get((name, mode, "bf16"))
+                if base is not None and bf16_peak:
+                    row["predicted_peak_gib"] = bf16_peak - base["saved_gib"] + row["saved_gib"]
+                    row["predicted_vs_bf16"] = row["predicted_peak_gib"] / bf16_peak
+                    line += f", peak predicted x{row['predicted_vs_bf16']:.3f}"
+                    peak = measured.get((name, mode, recipe))
+                    if peak:
+                        row["measured_peak_gib"] = peak
+                        row["measured_vs_bf16"] = peak / bf16_peak
+                        row["held_beyond_saved_gib"] = peak - row["predicted_peak_gib"]
+                        line += (f", measured x{row['measured_vs_bf16']:.3f} "
+                                 f"({row['held_beyond_saved_gib']:+.2f} GiB)")  # fmt: skip
+                rows.append(row)
+                del model
+                print(
+                    f"{name:9s} {mode:8s} {recipe:20s} saved {row['saved_gib']:6.2f} GiB {line} "
+                    f"[{time.perf_counter() - start:.0f} s]",
+                    flush=True,
+                )
+    if args.out:
+        info = {"torch": torch.__version__, "device": "cpu (fake tensors)", "argv": sys.argv[1:]}
+        Path(args.out).write_text(json.dumps({"info": info, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
