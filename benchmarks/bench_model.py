@@ -27,6 +27,8 @@ head and the embeddings stay BF16); BF16 is the unconverted model. "compile" is 
 Inductor run): a compile that stalls is reported as compile_timeout and the run goes on.
 --profile records one more step under torch.profiler per row: the top kernels by device time,
 the number of kernel launches and the host time; with --out they go into the JSON too.
+--memory-peak (CUDA) records one more step's allocations and reports the highest point: its
+GiB, the allocation that reached it and what is live there, grouped by the code that made it.
 
     python benchmarks/bench_model.py --models llama-1b --recipes bf16,nvfp4,mxfp8 \\
         --batch-size 8 --seq-len 2048 --out results/bench_model_llama1b.json
@@ -248,6 +250,71 @@ def cprofile_step(step: Callable, tokens: torch.Tensor, device: torch.device, to
     return {"host_issue_ms": issued * 1e3, "by_self": rows(2), "by_cum": rows(3)}
 
 
+# Where an allocation is charged: the innermost frame in one of these, else the innermost.
+_OWN_CODE = ("blockscale/", "transformers/", "benchmarks/")
+
+
+def _origin(frames: list[dict[str, Any]]) -> str:
+    """'file:line:function' of the frame an allocation is charged to (innermost first)."""
+    chosen = next((f for f in frames if any(k in f["filename"] for k in _OWN_CODE)), None)
+    chosen = chosen or (frames[0] if frames else None)
+    if chosen is None:
+        return "?"
+    return f"{'/'.join(Path(chosen['filename']).parts[-2:])}:{chosen['line']}:{chosen['name']}"
+
+
+def peak_from_trace(events: list[dict[str, Any]], top: int) -> dict[str, Any]:
+    """The highest point of allocated memory in a CUDA caching-allocator trace (the events of
+    `torch.cuda.memory._snapshot()["device_traces"][i]`), relative to where the trace began:
+    the bytes, the allocation that reached it, and the allocations live there grouped by the
+    code that made them. An allocation counts from its 'alloc' to its 'free_completed' (the
+    allocator's own allocated-bytes stat moves at those two events)."""
+    live: dict[int, tuple[int, str]] = {}
+    current = peak = 0
+    peak_live: dict[int, tuple[int, str]] = {}
+    peak_at = "(trace start)"
+    for event in events:
+        action = event.get("action")
+        if action == "alloc":
+            origin = _origin(event.get("frames") or [])
+            live[event["addr"]] = (event["size"], origin)
+            current += event["size"]
+            if current > peak:
+                peak, peak_at, peak_live = current, origin, dict(live)
+        elif action == "free_completed" and event["addr"] in live:
+            current -= live.pop(event["addr"])[0]
+    groups: dict[str, list[int]] = {}
+    for size, origin in peak_live.values():
+        entry = groups.setdefault(origin, [0, 0])
+        entry[0] += size
+        entry[1] += 1
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "peak_above_start_gib": peak / 2**30,
+        "peak_reached_at": peak_at,
+        "live_at_peak": [{"origin": o, "gib": b / 2**30, "count": n} for o, (b, n) in ranked],
+    }
+
+
+def memory_peak_step(step: Callable, tokens: torch.Tensor, device: torch.device, top: int):
+    """One step under the CUDA allocator's recorder: what is live at its highest point
+    (`peak_from_trace`), with the bytes allocated before the step (weights, AdamW state)."""
+    harness.synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        step(tokens)
+        harness.synchronize(device)
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    events = snapshot["device_traces"][device.index or 0]
+    summary = peak_from_trace(events, top)
+    summary["allocated_before_step_gib"] = start / 2**30
+    summary["peak_gib"] = summary["allocated_before_step_gib"] + summary["peak_above_start_gib"]
+    return summary
+
+
 def failure(e: BaseException) -> str:
     """A row's status for an exception; Dynamo and Inductor wrap what they catch, so the
     timeout and out-of-memory are looked for along the chain of causes."""
@@ -299,6 +366,8 @@ def run_case(name: str, spec: ModelSpec, mode: str, recipe: str, args, device) -
             row["profile"] = profile_step(step, batches[0], device, args.profile_top)
         if args.cprofile:
             row["cprofile"] = cprofile_step(step, batches[0], device, args.profile_top)
+        if args.memory_peak and device.type == "cuda":
+            row["memory_peak"] = memory_peak_step(step, batches[0], device, args.profile_top)
     except Exception as e:  # a failing recipe must not lose the others' figures
         row["status"] = failure(e)
     finally:
@@ -335,6 +404,12 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
 def print_profiles(rows: list[dict[str, Any]]) -> None:
     for r in rows:
+        peak = r.get("memory_peak")
+        if peak:
+            print(f"\nmemory peak {r['model']} {r['mode']} {r['recipe']}: "
+                  f"{peak['peak_gib']:.2f} GiB ({peak['allocated_before_step_gib']:.2f} before the "
+                  f"step), reached allocating at {peak['peak_reached_at']}")  # fmt: skip
+            harness.print_table(peak["live_at_peak"], ["origin", "gib", "count"])
         host = r.get("cprofile")
         if host:
             print(f"\ncprofile {r['model']} {r['mode']} {r['recipe']}: "
@@ -379,6 +454,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true", help="profile one step per row")
     parser.add_argument("--cprofile", action="store_true",
                         help="one step per row under cProfile: host time by Python function")  # fmt: skip
+    parser.add_argument("--memory-peak", action="store_true",
+                        help="CUDA: record one step's allocations and report what is live at "
+                        "its highest point, grouped by the code that allocated it")  # fmt: skip
     parser.add_argument("--profile-top", type=int, default=12)
     parser.add_argument("--inline-triton", action="store_true",
                         help="let AOTAutograd decompose the Triton ops (torch's triton_op "

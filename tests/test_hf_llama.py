@@ -237,6 +237,59 @@ def test_bench_model_reports_a_compile_that_runs_out_of_time():
     assert "tokens_per_s" not in rows[0]
 
 
+def test_bench_model_memory_peak_from_an_allocator_trace():
+    """--memory-peak's reading of a CUDA allocator trace (the events of
+    torch.cuda.memory._snapshot(), innermost frame first): the highest allocated point, what
+    reached it, and what is live there charged to the innermost frame of our or the model's
+    code. A later, lower point and an allocation freed before the peak must not count."""
+
+    def frames(*where):
+        return [{"filename": f, "line": line, "name": name} for f, line, name in where]
+
+    torch_frame = ("/x/torch/nn/functional.py", 10, "linear")
+    quantize = frames(torch_frame, ("/x/blockscale/ops/quantize.py", 200, "_both"),
+                      ("/x/benchmarks/bench_model.py", 150, "step"))  # fmt: skip
+    gemm = frames(("/x/blockscale/gemm/dispatch.py", 90, "mm"), ("/x/benchmarks/b.py", 1, "s"))
+    other = frames(torch_frame)
+    gib = 2**30
+    events = [
+        {"action": "alloc", "addr": 1, "size": 2 * gib, "frames": quantize},
+        {"action": "alloc", "addr": 2, "size": 1 * gib, "frames": other},
+        {"action": "free_requested", "addr": 2, "size": 1 * gib, "frames": other},
+        {"action": "free_completed", "addr": 2, "size": 1 * gib, "frames": other},
+        {"action": "alloc", "addr": 3, "size": gib // 2, "frames": quantize},
+        {"action": "alloc", "addr": 4, "size": gib, "frames": gemm},  # the peak: 3.5 GiB
+        {"action": "free_completed", "addr": 1, "size": 2 * gib, "frames": quantize},
+        {"action": "alloc", "addr": 5, "size": gib, "frames": other},  # 2.5 GiB, lower
+        {"action": "segment_alloc", "addr": 9, "size": 8 * gib, "frames": other},
+    ]
+    peak = bench_model().peak_from_trace(events, top=5)
+    assert peak["peak_above_start_gib"] == 3.5
+    assert peak["peak_reached_at"] == "gemm/dispatch.py:90:mm"
+    assert peak["live_at_peak"] == [
+        {"origin": "ops/quantize.py:200:_both", "gib": 2.5, "count": 2},
+        {"origin": "gemm/dispatch.py:90:mm", "gib": 1.0, "count": 1},
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bench_model_memory_peak():
+    """--memory-peak on CUDA: the recorded step's highest point is at least what was allocated
+    before it and at most the timed steps' max_memory_allocated, and the quantized model's
+    peak charges some of its live memory to blockscale's code."""
+    rows = bench_model().main(["--models", "llama-tiny", "--recipes", "nvfp4", "--eager",
+                               "--quick", "--memory-peak", "--device", "cuda"])  # fmt: skip
+    for r in rows:
+        assert r["status"] == "ok", r["status"]
+        peak = r["memory_peak"]
+        assert peak["peak_above_start_gib"] > 0 and peak["live_at_peak"]
+        assert peak["peak_gib"] <= r["peak_gib"] * 1.01
+    origins = [g["origin"] for g in rows[1]["memory_peak"]["live_at_peak"]]
+    assert any(o.split(":")[0] in ("ops/linear.py", "ops/quantize.py") or "kernels/" in o
+               for o in origins), origins  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp8"])
