@@ -1,0 +1,188 @@
+"""The quantization kernels' machine code for an H100 (sm_90), compiled on the CPU: no GPU.
+
+For each kernel bench_quantize.py times, this runs the public function on CPU tensors with
+every launch recorded instead of run, compiles each recorded launch for sm_90 with the
+specialization Triton's launcher would give it (an int equal to 1 becomes a constant; ints and
+pointers divisible by 16 are marked so), disassembles the cubin with the nvdisasm Triton ships,
+and reports per launch: SASS instructions, registers, spills, shared memory, the Philox
+multiplies (`IMAD.WIDE.U32` / `IMAD.HI`, two a Philox round), and whether the code loops.
+
+Why: the columnwise, Hadamard and stochastic-rounding kernels are bound by instruction issue,
+not by bytes (docs/KERNELS.md). With no loop, a program runs its code once, so
+`warps * instructions / values` is the warp instructions a value costs, and
+
+    issue-bound time  = values * (warp instructions a value) / (SMs * 4 schedulers * clock)
+    byte-bound time   = bytes / copy bandwidth
+
+The larger is the kernel's floor. The constants are the H100's (132 SMs, 1.755 GHz boost,
+3.0 TB/s measured copy): an estimate to compare variants by before a GPU is at hand, not a
+measurement; a layout change can still behave differently on the device (docs/LOG.md).
+
+    python benchmarks/sass_cpu.py [--only nvfp4] [--json out.json]   # (no TRITON_INTERPRET)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# The jit kernels, not the interpreter's: bench_quantize turns the interpreter on without a GPU
+os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
+
+from bench_quantize import cases, make_input  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+SMS, SCHEDULERS, CLOCK_HZ, COPY_BYTES_S = 132, 4, 1.755e9, 3.0e12
+_DTYPES = {
+    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
+    torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+    torch.float8_e4m3fn: "fp8e4nv", torch.float8_e8m0fnu: "u8",
+}  # fmt: skip
+
+
+class _Recorder:
+    """Stands in for `torch.library.wrap_triton`: records each launch, runs nothing."""
+
+    launches: list[tuple[Any, tuple, dict, tuple]] = []
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+
+    def __getitem__(self, grid: Any):
+        def launch(*args: Any, **kwargs: Any) -> None:
+            g = grid(kwargs) if callable(grid) else grid
+            self.launches.append((self.kernel, args, kwargs, tuple(g)))
+
+        return launch
+
+
+def _specialize(kernel: Any, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) for ASTSource, by the launcher's rules."""
+    names = kernel.arg_names
+    constexpr_names = {names[i] for i in kernel.constexprs}
+    values = dict(zip(names, args, strict=False)) | kwargs
+    signature: dict[str, str] = {}
+    constexprs: dict[tuple, Any] = {}
+    attrs: dict[tuple, list] = {}
+    for i, name in enumerate(names):
+        v = values.get(name)
+        if name in constexpr_names or v is None or isinstance(v, bool):
+            signature[name] = "constexpr"
+            constexprs[(i,)] = v
+        elif isinstance(v, torch.Tensor):
+            signature[name] = "*" + _DTYPES[v.dtype]
+            if v.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, int):
+            if v == 1:
+                signature[name] = "constexpr"
+                constexprs[(i,)] = 1
+                continue
+            signature[name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.fn.__name__}: cannot specialize {name}={type(v).__name__}")
+    return signature, constexprs, attrs
+
+
+def _tool(name: str) -> str:
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def compile_launch(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """SASS statistics of one recorded launch compiled for sm_90."""
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    signature, constexprs, attrs = _specialize(kernel, args, kwargs)
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options
+    )
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout  # fmt: skip
+    lines = [m for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(\S.*?);", sass)]
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", m.group(2)).split()[0] for m in lines]
+    branches_back = 0
+    for m, op in zip(lines, ops, strict=True):
+        if op.startswith("BRA"):
+            target = re.search(r"0x([0-9a-f]+)", m.group(2))
+            branches_back += bool(target and int(target.group(1), 16) < int(m.group(1), 16))
+
+    def resource(key: str) -> int:
+        found = re.search(rf"{key}:(\d+)", usage)
+        return int(found.group(1)) if found else 0
+
+    return {
+        "kernel": kernel.fn.__name__,
+        "num_warps": compiled.metadata.num_warps,
+        "instructions": len(ops),
+        "philox_multiplies": sum(op in ("IMAD.WIDE.U32", "IMAD.HI.U32") for op in ops),
+        "loops": branches_back > 0,
+        "registers": resource("REG"),
+        # a kernel's stack frame is its spilled registers (LOCAL reports only local arrays)
+        "spill_bytes": resource("STACK") + resource("LOCAL"),
+        "shared_bytes": compiled.metadata.shared,
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="", help="comma list of substrings of case names")
+    parser.add_argument("--shape", default="16384,8192", help="rows,cols of the BF16 input")
+    parser.add_argument("--json", default="")
+    args = parser.parse_args(argv)
+    rows_n, cols_n = (int(v) for v in args.shape.split(","))
+    torch.library.wrap_triton = _Recorder  # every launcher looks it up at call time
+    x = make_input((rows_n, cols_n), torch.device("cpu"))
+    wanted = [w for w in args.only.split(",") if w]
+    results = []
+    for name, _family, fn, nbytes in cases(x):
+        if wanted and not any(w in name for w in wanted):
+            continue
+        _Recorder.launches = []
+        fn()
+        for kernel, kargs, kwargs, grid in _Recorder.launches:
+            stats = compile_launch(kernel, kargs, dict(kwargs))
+            programs = max(1, grid[0] * (grid[1] if len(grid) > 1 else 1))
+            warp_instr = stats["instructions"] * stats["num_warps"] * programs
+            issue_s = warp_instr / (SMS * SCHEDULERS * CLOCK_HZ)
+            byte_s = nbytes / COPY_BYTES_S
+            row = {"case": name, "programs": programs, **stats,
+                   "warp_instr_per_value": warp_instr / x.numel(),
+                   "issue_bound_us": issue_s * 1e6, "byte_bound_us": byte_s * 1e6}  # fmt: skip
+            results.append(row)
+            print(
+                f"{name[:40]:40s} {stats['kernel'][:28]:28s} sass {stats['instructions']:5d} "
+                f"regs {stats['registers']:3d} spill {stats['spill_bytes']:4d} "
+                f"philox-mul {stats['philox_multiplies']:4d}{' loop' if stats['loops'] else ''}"
+                f"  {row['warp_instr_per_value']:.2f} warp-instr/value: issue "
+                f"{row['issue_bound_us']:.0f} us vs bytes {row['byte_bound_us']:.0f} us",
+                flush=True,
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"target": "sm_90", "rows": results}, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
