@@ -47,11 +47,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
 
-from bench_model import MODELS, RECIPES, build  # noqa: E402
+from bench_model import MODELS, RECIPES, build, logits_of  # noqa: E402
 
 from blockscale import _library, recipes  # noqa: E402
 from blockscale import nn as bsnn  # noqa: E402
-from blockscale.recipes import Rounding  # noqa: E402
 
 # the module (blockscale.ops re-exports the function `linear` under the same name)
 linear_ops = importlib.import_module("blockscale.ops.linear")
@@ -92,8 +91,7 @@ def _model(name: str, recipe: str, seq_len: int) -> torch.nn.Module:
 
 def _logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(tokens)
-    return out.logits if hasattr(out, "logits") else out
+        return logits_of(model, tokens)
 
 
 def saved_compiled(model: torch.nn.Module, tokens: torch.Tensor) -> list[tuple[str, str, tuple]]:
@@ -128,8 +126,9 @@ def saved_eager(model: torch.nn.Module, tokens: torch.Tensor) -> list[tuple[str,
     """The same for an eager forward, run on fake tensors (the producer is not known: "?").
 
     Eager linears that read one input tensor share its quantization (ops/linear.py, "Shared
-    input"), which the library turns off under any trace mode, FakeTensorMode included; it is
-    turned back on here, so the count keeps one saved copy per input as a real eager step."""
+    input"), which the library turns off under any trace mode, FakeTensorMode included; linear
+    is told it is not tracing here, so the count keeps one saved copy per input as a real eager
+    step does."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     seen: dict[StorageWeakRef, tuple] = {}
@@ -147,11 +146,10 @@ def saved_eager(model: torch.nn.Module, tokens: torch.Tensor) -> list[tuple[str,
                 seen[ref] = ("?", str(t.dtype), tuple(t.shape), t.untyped_storage().nbytes())
             return t
 
-        shareable = linear_ops._shareable
-        linear_ops._shareable = lambda *configs: (
-            linear_ops.SHARE_INPUT_QUANTIZATION
-            and all(c is None or c.rounding is Rounding.NEAREST for c in configs)
-        )
+        # linear's eager-only rules (the shared input) read `tracing()` in its own namespace;
+        # the library ops keep taking the op route (fake impls) through _library's
+        tracing = linear_ops.tracing
+        linear_ops.tracing = lambda: False
         try:
             with (
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
@@ -159,7 +157,7 @@ def saved_eager(model: torch.nn.Module, tokens: torch.Tensor) -> list[tuple[str,
             ):
                 torch.func.functional_call(model, fake, (ids,))
         finally:
-            linear_ops._shareable = shareable
+            linear_ops.tracing = tracing
             linear_ops._SHARED.clear()
             # (the loss adds the same for every recipe: the FP32 logits' log-softmax)
     return list(seen.values())
