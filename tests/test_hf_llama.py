@@ -14,6 +14,7 @@ checked bit for bit in tests/test_compile.py.
 
 import logging
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -230,9 +231,24 @@ def test_bench_model_runs_on_the_cpu(tmp_path, capsys):
     assert "tok_vs_bf16" in capsys.readouterr().out.splitlines()[-len(rows) - 2]  # table last
 
 
-def test_bench_model_reports_a_compile_that_runs_out_of_time():
+def test_bench_model_reports_a_compile_that_runs_out_of_time(monkeypatch):
+    """A compile that stalls: the backend sleeps far past the limit, so the alarm fires inside
+    Dynamo's compile whatever the machine's speed or its warm compile caches (a real compile of
+    the tiny model can finish inside any fixed limit once cached)."""
+    real_compile = torch.compile
+
+    def stalled_backend(gm, example_inputs):
+        time.sleep(60)
+        return gm.forward
+
+    def compile_that_stalls(model, **kwargs):
+        return real_compile(model, backend=stalled_backend)
+
+    monkeypatch.setattr(torch, "compile", compile_that_stalls)
+    t0 = time.perf_counter()
     rows = bench_model().main(["--models", "llama-tiny", "--recipes", "bf16", "--compile",
                                "--quick", "--compile-timeout", "0.5"])  # fmt: skip
+    assert time.perf_counter() - t0 < 30, "the limit did not stop the stalled compile"
     assert len(rows) == 1 and rows[0]["status"].startswith("compile_timeout"), rows[0]["status"]
     assert "tokens_per_s" not in rows[0]
 
