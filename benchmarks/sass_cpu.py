@@ -4,8 +4,9 @@ For each kernel bench_quantize.py times, this runs the public function on CPU te
 every launch recorded instead of run, compiles each recorded launch for sm_90 with the
 specialization Triton's launcher would give it (an int equal to 1 becomes a constant; ints and
 pointers divisible by 16 are marked so), disassembles the cubin with the nvdisasm Triton ships,
-and reports per launch: SASS instructions, registers, spills, shared memory, the Philox
-multiplies (`IMAD.WIDE.U32` / `IMAD.HI`, two a Philox round), and whether the code loops.
+and reports per launch: SASS instructions, registers, spills, shared memory, the stochastic
+rounding hash's multiplies (by mix32's constants, two a hashed word), and whether the code
+loops.
 
 Why: the columnwise, Hadamard and stochastic-rounding kernels are bound by instruction issue,
 not by bytes (docs/KERNELS.md). With no loop, a program runs its code once, so
@@ -30,6 +31,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,8 @@ from triton.compiler import ASTSource  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
 
 from bench_quantize import cases, make_input  # noqa: E402
+
+from blockscale.kernels.nvfp4 import MIX32  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMS, SCHEDULERS, CLOCK_HZ, COPY_BYTES_S = 132, 4, 1.755e9, 3.0e12
@@ -136,12 +140,15 @@ def compile_launch(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         "kernel": kernel.fn.__name__,
         "num_warps": compiled.metadata.num_warps,
         "instructions": len(ops),
-        "philox_multiplies": sum(op in ("IMAD.WIDE.U32", "IMAD.HI.U32") for op in ops),
+        # stochastic rounding's hash: the multiplies by mix32's two constants (two a word)
+        "hash_multiplies": sum(any(f"0x{c:x}" in m.group(2).lower() for c in MIX32) for m in lines),
         "loops": branches_back > 0,
         "registers": resource("REG"),
         # a kernel's stack frame is its spilled registers (LOCAL reports only local arrays)
         "spill_bytes": resource("STACK") + resource("LOCAL"),
         "shared_bytes": compiled.metadata.shared,
+        # by opcode without modifiers (IMAD.WIDE.U32 -> IMAD): the mix of pipes a variant uses
+        "opcodes": dict(Counter(op.split(".")[0] for op in ops).most_common()),
     }
 
 
@@ -150,6 +157,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--only", default="", help="comma list of substrings of case names")
     parser.add_argument("--shape", default="16384,8192", help="rows,cols of the BF16 input")
     parser.add_argument("--json", default="")
+    parser.add_argument("--ops", type=int, default=0, help="print each launch's N top opcodes")
     args = parser.parse_args(argv)
     rows_n, cols_n = (int(v) for v in args.shape.split(","))
     torch.library.wrap_triton = _Recorder  # every launcher looks it up at call time
@@ -168,17 +176,21 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             issue_s = warp_instr / (SMS * SCHEDULERS * CLOCK_HZ)
             byte_s = nbytes / COPY_BYTES_S
             row = {"case": name, "programs": programs, **stats,
+                   "values_per_thread": x.numel() / (programs * stats["num_warps"] * 32),
                    "warp_instr_per_value": warp_instr / x.numel(),
                    "issue_bound_us": issue_s * 1e6, "byte_bound_us": byte_s * 1e6}  # fmt: skip
             results.append(row)
             print(
                 f"{name[:40]:40s} {stats['kernel'][:28]:28s} sass {stats['instructions']:5d} "
                 f"regs {stats['registers']:3d} spill {stats['spill_bytes']:4d} "
-                f"philox-mul {stats['philox_multiplies']:4d}{' loop' if stats['loops'] else ''}"
+                f"hash-mul {stats['hash_multiplies']:3d}{' loop' if stats['loops'] else ''}"
                 f"  {row['warp_instr_per_value']:.2f} warp-instr/value: issue "
                 f"{row['issue_bound_us']:.0f} us vs bytes {row['byte_bound_us']:.0f} us",
                 flush=True,
             )
+            if args.ops:
+                top = list(stats["opcodes"].items())[: args.ops]
+                print("    " + " ".join(f"{op} {n}" for op, n in top), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"target": "sm_90", "rows": results}, indent=1))
     return results

@@ -183,6 +183,38 @@ def test_kernel_quantizations_equal_formats(hadamard):
     )
 
 
+def test_grouped_stochastic_rounding_draws_the_dense_kernels_stream():
+    """One expert holding every row: the grouped kernel's stochastic copies round with the
+    stream of kernels.nvfp4.sr_uniforms over positions (rows) and over tokens (columnwise,
+    counters past the rows'), as the dense kernel does; the dense kernel fed that stream
+    through its given-uniform path is the check."""
+    kg = _library.kernels()
+    from blockscale.kernels import nvfp4 as nk
+
+    x, _, _, offs = _data([64], 0, k=48)
+    x = x.bfloat16()
+    layout = G.token_layout(offs, x.shape[0])
+    P = layout.capacity  # positions: the 64 rows, then padding to the layout's capacity
+    (q_row, _), (q_tok, _) = kg.nvfp4_quantize_grouped(
+        x, layout, rows="stochastic", tokens="stochastic", hadamard=True,
+        generator=torch.Generator().manual_seed(4),
+    )  # fmt: skip
+    seed = int(torch.randint(2**31 - 1, (1,), generator=torch.Generator().manual_seed(4)))
+    u_row = nk.sr_uniforms(seed, P, 48)[:64]
+    want_row = kg.nvfp4_quantize(x, rounding="stochastic", rand=u_row)
+    u_tok = nk.sr_uniforms(seed, 48, P, nk.columnwise_base(P, 48))[:, :4]
+    want_tok = kg.nvfp4_quantize(
+        x, rounding="stochastic", transpose=True, hadamard=True, rand=u_tok
+    )
+    for got, want in (
+        (q_row.data, want_row.data),
+        (q_row.scale.view(torch.uint8), want_row.scale.view(torch.uint8)),
+        (q_tok.data[:, :32], want_tok.data),
+        (q_tok.scale.view(torch.uint8)[:, :4], want_tok.scale.view(torch.uint8)),
+    ):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 def test_group_amax_propagates_nan_and_inf_per_group():
     kg = _library.kernels()
     x, _, _, offs = _data([20, 30, 14], 0, k=32)

@@ -9,7 +9,7 @@ exactly: the kernels are bit-exact to formats/ for nearest rounding, the `_dq` o
 write are the same exact values, and the GEMM that consumes them is the same call (the fused
 GEMM kernel is switched off for this: its FP32 sums may be ordered differently). A second test
 runs the fused GEMM kernel in the step and checks it against the same reference within that
-reordering. Stochastic rounding is off (the kernels draw Philox bits, not torch.rand's).
+reordering. Stochastic rounding is off (the kernels hash their own bits, not torch.rand's).
 """
 
 import pytest

@@ -10,6 +10,7 @@ import torch
 
 from blockscale import kernels
 from blockscale.formats import hadamard, nvfp4
+from blockscale.kernels import nvfp4 as nvfp4_kernels
 
 ON_GPU = torch.cuda.is_available()
 DEV = "cuda" if ON_GPU else "cpu"
@@ -226,9 +227,60 @@ def test_stochastic_philox_neighbours_determinism(mode):
     assert (c != c_lo).any() and (c != c_hi).any()
 
 
+def launch_seed(seed: int) -> int:
+    """The seed a launch given torch.Generator(DEV).manual_seed(seed) hashes its bits with
+    (kernels' sr_seed: one draw from that generator)."""
+    g = torch.Generator(DEV).manual_seed(seed)
+    return int(torch.randint(2**31 - 1, (1,), generator=g, device=DEV, dtype=torch.int64))
+
+
+STREAM_CASES = [
+    # (kernel options, the quantized copy's [rows, cols] from x's [M, K], its first counter)
+    (dict(), lambda m, k: (m, k, 0)),
+    (dict(block="16x16"), lambda m, k: (m, k, 0)),
+    (dict(transpose=True), lambda m, k: (k, m, nvfp4_kernels.columnwise_base(m, k))),
+    (dict(transpose=True, hadamard=True), lambda m, k: (k, m, nvfp4_kernels.columnwise_base(m, k))),
+    # a rowwise Hadamard copy is the columnwise copy of x.T: the kernel's rows are x's columns
+    (dict(hadamard=True), lambda m, k: (m, k, nvfp4_kernels.columnwise_base(k, m))),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", range(len(STREAM_CASES)))
+@pytest.mark.parametrize("shape", [(48, 96), (80, 48)])
+def test_stochastic_bits_are_the_documented_stream(case, shape):
+    """The generator path rounds with exactly kernels.nvfp4.sr_uniforms(seed, ...): the same
+    codes as the given-uniform path (itself bit-exact against the reference) fed that
+    stream. On the GPU this pins the compiled hash to the PyTorch one, bit for bit."""
+    mode, copy = STREAM_CASES[case]
+    x = randn(*shape, seed=21, outliers=True)
+    rows, cols, base = copy(*shape)
+    u = nvfp4_kernels.sr_uniforms(launch_seed(8), rows, cols, base).to(DEV)
+    got = kernels.nvfp4_quantize(
+        x, rounding="stochastic", generator=torch.Generator(DEV).manual_seed(8), **mode
+    )
+    want = kernels.nvfp4_quantize(x, rounding="stochastic", rand=u, **mode)
+    assert_same(got, want)
+
+
+def test_both_copies_draw_the_documented_stream():
+    x = randn(64, 96, seed=22)
+    sr = dict(rounding="stochastic")
+    q_row, q_col = kernels.nvfp4_quantize_both(
+        x, sr, dict(sr, hadamard=True), generator=torch.Generator(DEV).manual_seed(9)
+    )
+    seed = launch_seed(9)
+    u_row = nvfp4_kernels.sr_uniforms(seed, 64, 96).to(DEV)
+    u_col = nvfp4_kernels.sr_uniforms(seed, 96, 64, nvfp4_kernels.columnwise_base(64, 96))
+    assert_same(q_row, kernels.nvfp4_quantize(x, rounding="stochastic", rand=u_row))
+    want_col = kernels.nvfp4_quantize(
+        x, rounding="stochastic", transpose=True, hadamard=True, rand=u_col.to(DEV)
+    )
+    assert_same(q_col, want_col)
+
+
 def test_stochastic_is_unbiased():
     # E[dequantized] = the value. The same row repeated n times is n independent draws (each
-    # block has its own Philox counter): the mean over rows converges like 1/sqrt(n).
+    # block has its own counters): the mean over rows converges like 1/sqrt(n).
     n = 1024
     row = randn(1, 64, seed=10, dtype=torch.float32)
     x = row.expand(n, -1).contiguous()
@@ -359,6 +411,40 @@ def test_gpu_stochastic_mean():
     near = kernels.nvfp4_quantize(x, amax=amax).dequantize().double()
     # the mean of 64 draws is far closer to x than one nearest-rounded copy
     assert (mean - x.double()).abs().mean() < 0.25 * (near - x.double()).abs().mean()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_stochastic_bits_are_the_documented_stream():
+    """The compiled hash against kernels.nvfp4.sr_uniforms, bit for bit, at a step's shape:
+    grad_output's both-direction kernel (both copies stochastic, Hadamard columnwise, `_dq`)
+    and the single-copy modes. The interpreter runs the hash in numpy; this is the check
+    that the GPU's integer arithmetic gives the same words."""
+    M, K = 4096, 2048
+    x = randn(M, K, seed=23, outliers=True)
+    sr = dict(rounding="stochastic")
+    (q_row, dq_row), (q_col, dq_col) = kernels.nvfp4_quantize_both(
+        x, sr, dict(sr, hadamard=True), return_dq=True,
+        generator=torch.Generator(DEV).manual_seed(10),
+    )  # fmt: skip
+    seed = launch_seed(10)
+    u_row = nvfp4_kernels.sr_uniforms(seed, M, K).to(DEV)
+    want, want_dq = kernels.nvfp4_quantize(x, rounding="stochastic", rand=u_row, return_dq=True)
+    assert_same(q_row, want)
+    assert_bits(dq_row, want_dq)
+    u_col = nvfp4_kernels.sr_uniforms(seed, K, M, nvfp4_kernels.columnwise_base(M, K)).to(DEV)
+    want, want_dq = kernels.nvfp4_quantize(
+        x, rounding="stochastic", transpose=True, hadamard=True, rand=u_col, return_dq=True
+    )
+    assert_same(q_col, want)
+    assert_bits(dq_col, want_dq)
+    for mode, copy in STREAM_CASES:
+        rows, cols, base = copy(M, K)
+        u = nvfp4_kernels.sr_uniforms(launch_seed(11), rows, cols, base).to(DEV)
+        got = kernels.nvfp4_quantize(
+            x, rounding="stochastic", generator=torch.Generator(DEV).manual_seed(11), **mode
+        )
+        assert_same(got, kernels.nvfp4_quantize(x, rounding="stochastic", rand=u, **mode))
 
 
 def test_hadamard_matrix_is_the_reference():

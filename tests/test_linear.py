@@ -416,7 +416,7 @@ def test_bench_linear_quick_smoke(tmp_path):
 @cuda
 @pytest.mark.parametrize(("name", "switches"), VARIANTS)
 def test_gpu_matches_step_by_step_reference(name, switches):
-    # On CUDA the kernels draw stochastic rounding from Philox, the reference from torch.rand:
+    # On CUDA the kernels draw stochastic rounding from their hash, the reference from torch.rand:
     # the same recipe with nearest rounding is compared bit for bit (the kernels' SR draws
     # are tested statistically in test_kernels_nvfp4.py).
     if name == "nvfp4":

@@ -1,6 +1,6 @@
 """benchmarks/sass_cpu.py: every quantization kernel a step runs, compiled for an H100 (sm_90)
 on the CPU as the launcher specializes it, with no register spills, and the stochastic
-rounding's Philox rounds visible in the machine code. A kernel change that spills (local
+rounding's hash computed once a word by the threads that need it. A kernel change that spills (local
 memory traffic in a kernel judged by bytes) fails here, before any GPU sees it.
 
 The script runs in a child process without TRITON_INTERPRET: it compiles the jit kernels,
@@ -40,10 +40,17 @@ def test_every_kernel_compiles_for_sm90_without_spills(rows):
         assert r["spill_bytes"] == 0, f"{r['case']}: {r['spill_bytes']} bytes of spills"
 
 
-def test_stochastic_rounding_shows_its_philox_rounds(rows):
-    """Philox4x32-7 is 7 rounds of two 32x32->64-bit multiplies: an SR launch has at least one
-    draw's 14 more than the same launch rounding to nearest."""
+def test_stochastic_rounding_hashes_each_word_once_a_thread(rows):
+    """mix32 is two multiplies by its constants: one hash of the seed, then one a 32-bit word
+    (4 values). Rowwise, each thread hashes exactly the words of its own values (the Philox
+    draw it replaced was computed by every thread holding part of a block); the columnwise
+    (MMA) layout gives a thread two values of each of two words, so at most twice that.
+    Nearest rounding hashes nothing."""
     by_case = {r["case"]: r for r in rows}
-    nearest = by_case["nvfp4 1x16 rowwise + dq"]["philox_multiplies"]
-    stochastic = by_case["nvfp4 1x16 rowwise SR + dq"]["philox_multiplies"]
-    assert stochastic >= nearest + 14
+    assert by_case["nvfp4 1x16 rowwise + dq"]["hash_multiplies"] == 0
+    assert by_case["nvfp4 both (row + col RHT) + dq"]["hash_multiplies"] == 0
+    row = by_case["nvfp4 1x16 rowwise SR + dq"]
+    assert row["hash_multiplies"] == 2 + 2 * row["values_per_thread"] / 4, row
+    col = by_case["nvfp4 columnwise RHT SR"]
+    assert 2 + 2 * col["values_per_thread"] / 4 <= col["hash_multiplies"], col
+    assert col["hash_multiplies"] <= 2 + 2 * 2 * col["values_per_thread"] / 4, col

@@ -8,7 +8,7 @@ Rounding works on FP32 values that are already scaled into the E2M1 range; both 
 saturate at +-6. Nearest rounding is written as a sum of threshold comparisons so the
 tie rules of NUMERICS.md (ties to the even code) are visible line by line. Stochastic
 rounding takes its uniform random numbers as an argument, so a caller decides where the
-randomness comes from (PyTorch's generator here, Philox in the kernels).
+randomness comes from (PyTorch's generator here, a seeded hash in the kernels).
 """
 
 import torch

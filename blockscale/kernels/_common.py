@@ -71,7 +71,7 @@ def dq_flags(return_dq: bool | tuple[bool, bool]) -> tuple[bool, bool]:
     return bool(row), bool(col)
 
 
-def philox_seed(device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+def sr_seed(device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
     """One int64 seed on `device` drawn from PyTorch's generator: torch.manual_seed reproduces
     it, and a CUDA graph records the draw, so replays get fresh noise without a host sync."""
     return torch.randint(2**31 - 1, (1,), device=device, generator=generator, dtype=torch.int64)

@@ -45,7 +45,7 @@ from blockscale.kernels._common import (
     hadamard_matrix,
     interpreting,
     nvfp4_global,
-    philox_seed,
+    sr_seed,
 )
 from blockscale.kernels.mxfp8 import _mx_tile, quantize_columns_mx, store_mx_rows
 from blockscale.kernels.nvfp4 import _quantize_tile, _uniforms, quantize_columns, store_rows
@@ -131,7 +131,7 @@ def _nvfp4_grouped_kernel(
         s_dec_t, mult_t = nvfp4_global(tl.load(amax_col_ptr + g_t, mask=g_t < E, other=0.0))
         s_dec_t = s_dec_t[None, :]
         mult_t = mult_t[None, :]
-        # Philox counters past the row copy's, as in the dense kernel
+        # block counters past the row copy's, as in the dense kernel
         base = ((P + 15) // 16) * 16 * (K // 16)
         u_t = _uniforms(seed_ptr, seed_ptr, k0, p0, K, P, base, BK, BM, COL_SR, False)
         quantize_columns(x, s_dec_t, mult_t, u_t, h_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
@@ -333,7 +333,7 @@ def nvfp4_quantize_grouped(
     E = layout.seg_ends.shape[0]
     dummy = x.new_zeros(E, dtype=torch.float32)
     sr_row, sr_tok = rows == "stochastic", tokens == "stochastic"
-    seed = philox_seed(x.device, generator) if sr_row or sr_tok else None
+    seed = sr_seed(x.device, generator) if sr_row or sr_tok else None
     data, scale, dq, data_t, scale_t, dq_t = _nvfp4_quantize_grouped_2d(
         x, layout.source, layout.group,
         amax_r if want_row else dummy, amax_t if want_tok else dummy, seed,

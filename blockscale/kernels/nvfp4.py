@@ -14,8 +14,9 @@ Bytes (the roofline argument, BF16 input [M, K], N = M*K):
   each `_dq` output adds 2N written. The global amax is a separate pass (read 2N) unless
   the caller passes `amax`; see amax.py for the fused rowwise + Hadamard-columnwise amax.
 
-Stochastic rounding draws 8 random bits per value: one Philox call (tl.randint4x, 128 bits)
-per 16-value block, seeded from PyTorch's generator through a device tensor.
+Stochastic rounding takes 8 random bits per value from a counter-based hash of each value's
+position, keyed by one seed a launch drawn from PyTorch's generator into a device tensor
+(the stream is defined above `mix32`).
 """
 
 import torch
@@ -40,8 +41,8 @@ from blockscale.kernels._common import (
     max_keep_nan,
     min_keep_nan,
     nvfp4_global,
-    philox_seed,
     relayout_16,
+    sr_seed,
     with_sign,
 )
 from blockscale.kernels.amax import amax_fused, amax_of_copy
@@ -49,19 +50,68 @@ from blockscale.kernels.amax import amax_fused, amax_of_copy
 BLOCK = 16
 
 
+# Stochastic rounding's random bits. Value j of 16-value block c of a copy rounds with byte
+# j % 4 of word j // 4 of that block, u = byte / 256, and word q of block c is
+#     mix32(((4 c + q) mod 2^32) XOR mix32(seed)),
+# with c = base + row * (cols / 16) + block (base: 0 for the rowwise copy, past the rowwise
+# counters for the columnwise one) and seed one draw from PyTorch's generator per launch.
+# mix32 is a bijective two-round xorshift-multiply hash of 32 bits. It replaced a Philox4x32-7
+# draw per block (docs/LOG.md, 2026-11-25 evening): every thread that holds part of a block
+# computed the whole draw (two to four times a block), while each word here depends on its
+# own counter alone, so a thread computes only the words of the values it holds, with two
+# 32-bit multiplies a word instead of fourteen 64-bit ones a block. `sr_uniforms` below is
+# the same stream in PyTorch (tests compare the kernels with it bit for bit).
+MIX32 = (0x21F0AAAD, 0x735A2D97)
+
+
 @triton.jit
-def _philox_uniforms(seed, block_offsets, R: tl.constexpr, NB: tl.constexpr):
-    """FP32 uniforms k/256 for an [R, NB, 16] tile: one Philox4x32 draw per 16-value block,
-    8 bits per value."""
-    r0, r1, r2, r3 = tl.randint4x(seed, block_offsets, n_rounds=7)
-    j = tl.arange(0, 16)[None, None, :]
-    w = tl.where(
-        j < 8,
-        tl.where(j < 4, r0[:, :, None], r1[:, :, None]),
-        tl.where(j < 12, r2[:, :, None], r3[:, :, None]),
-    )
-    byte = (w >> ((j % 4) * 8).to(tl.uint32)) & 0xFF
+def mix32(x):
+    """The bijective 32-bit hash of uint32 x: two xorshift-multiply rounds."""
+    x = x ^ (x >> 16)
+    x = x * 0x21F0AAAD
+    x = x ^ (x >> 15)
+    x = x * 0x735A2D97
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def _sr_uniforms(seed, block_offsets, R: tl.constexpr, NB: tl.constexpr):
+    """FP32 uniforms k/256 for an [R, NB, 16] tile from the block counters [R, NB]: four
+    hashed words a block, 8 bits a value. The words are laid out [R, NB, 4] and their bytes
+    [R, NB, 4, 4], so a thread hashes only the words its values need."""
+    key = mix32(seed.to(tl.uint32))
+    q = tl.arange(0, 4).to(tl.uint32)[None, None, :]
+    w = mix32(((block_offsets.to(tl.uint32) * 4)[:, :, None] + q) ^ key)
+    b = (tl.arange(0, 4) * 8).to(tl.uint32)[None, None, None, :]
+    byte = tl.reshape((w[:, :, :, None] >> b) & 0xFF, [R, NB, 16])
     return byte.to(tl.float32) * 0.00390625
+
+
+def _mix32_torch(x: torch.Tensor) -> torch.Tensor:
+    """mix32 on int64 tensors holding uint32 values (each product stays below 2^63)."""
+    x = x ^ (x >> 16)
+    x = (x * MIX32[0]) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * MIX32[1]) & 0xFFFFFFFF
+    return x ^ (x >> 15)
+
+
+def sr_uniforms(seed: int, rows: int, cols: int, base: int = 0) -> torch.Tensor:
+    """The kernels' stochastic-rounding uniforms for a [rows, cols] copy, FP32 [rows,
+    cols / 16, 16] on the CPU: what `rand` must be for the given-uniform path to reproduce a
+    launch whose seed was `seed` (`base`: that copy's first block counter)."""
+    key = _mix32_torch(torch.tensor(seed & 0xFFFFFFFF, dtype=torch.int64))
+    c = base + torch.arange(rows * (cols // 16), dtype=torch.int64).reshape(rows, cols // 16)
+    counters = (c[:, :, None] * 4 + torch.arange(4)) & 0xFFFFFFFF
+    words = _mix32_torch(counters ^ key)
+    byte = (words[:, :, :, None] >> (torch.arange(4) * 8)) & 0xFF
+    return byte.reshape(rows, cols // 16, 16).to(torch.float32) / 256
+
+
+def columnwise_base(rows: int, cols: int) -> int:
+    """The first block counter of the columnwise copy of an x of [rows, cols] (its rowwise
+    copy's counters end below it)."""
+    return -(-rows // 16) * 16 * (cols // 16)
 
 
 @triton.jit
@@ -168,7 +218,7 @@ def _uniforms(
     seed_ptr, rand_ptr, r0, c0, n_rows, n_cols, base,
     R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr, RAND_GIVEN: tl.constexpr,
 ):  # fmt: skip
-    """Uniforms for an [R, C] output tile: given as a tensor (tests), or from Philox with one
+    """Uniforms for an [R, C] output tile: given as a tensor (tests), or hashed from one
     counter per 16-value block (`base` keeps the rowwise and columnwise copies apart)."""
     if SR:
         if RAND_GIVEN:
@@ -181,7 +231,7 @@ def _uniforms(
             rows = r0 + tl.arange(0, R)
             blocks = c0 // 16 + tl.arange(0, C // 16)
             offs = base + rows[:, None] * (n_cols // 16) + blocks[None, :]
-            return _philox_uniforms(tl.load(seed_ptr), offs, R, C // 16)
+            return _sr_uniforms(tl.load(seed_ptr), offs, R, C // 16)
     else:
         return 0.0
 
@@ -215,7 +265,7 @@ def _nvfp4_quantize_kernel(
         )
     if COL:
         s_dec_t, mult_t = nvfp4_global(tl.load(amax_col_ptr))
-        # Philox counters past the rowwise ones, so the two copies draw independent bits
+        # counters past the rowwise ones (columnwise_base), so the copies draw different bits
         base = ((M + 15) // 16) * 16 * (K // 16)
         u_t = _uniforms(seed_ptr, rand_col_ptr, k0, m0, K, M, base, BK, BM, COL_SR, RAND_GIVEN)
         quantize_columns(x, s_dec_t, mult_t, u_t, h_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
@@ -422,7 +472,7 @@ def nvfp4_quantize(
 ):
     """formats.nvfp4.quantize, fast. With return_dq, also the exact BF16 code * scale operand
     (same layout as the container's .dq()). `rand` (tests only): FP32 uniforms shaped like the
-    quantized [rows, cols] tensor, used instead of Philox for stochastic rounding."""
+    quantized [rows, cols] tensor, used instead of the hashed bits for stochastic rounding."""
     _check(block, rounding)
     x2 = _checks.as_2d(x, "NVFP4", False)
     M, K = x2.shape
@@ -439,7 +489,7 @@ def nvfp4_quantize(
         amax = amax_of_copy(src, hadamard_t=hadamard)
     amax = _as_amax(amax, x.device)
     sr = rounding == "stochastic"
-    seed = philox_seed(x.device, generator) if sr and rand is None else None
+    seed = sr_seed(x.device, generator) if sr and rand is None else None
     rand2 = None if rand is None else rand.reshape(-1, shape[-1]).float().contiguous()
     out = _nvfp4_quantize_2d(
         src, amax, amax, seed,
@@ -496,7 +546,7 @@ def nvfp4_quantize_both(
         amax_c = (had if c["hadamard"] else plain) if amax_c is None else amax_c
     amax_r, amax_c = _as_amax(amax_r, x.device), _as_amax(amax_c, x.device)
     row_sr, col_sr = r["rounding"] == "stochastic", c["rounding"] == "stochastic"
-    seed = philox_seed(x.device, generator) if row_sr or col_sr else None
+    seed = sr_seed(x.device, generator) if row_sr or col_sr else None
     data, scale, dq, data_t, scale_t, dq_t = _nvfp4_quantize_2d(
         x2, amax_r, amax_c, seed, None, None,
         row=True, col=True, row_2d=r["block"] == "16x16", col_2d=c["block"] == "16x16",

@@ -12,8 +12,8 @@ allow, one kernel reads x once and writes both copies; otherwise it calls `quant
 twice.
 
 Quantizers: on CUDA tensors the Triton kernels of `blockscale/kernels/` (bit-exact to
-formats/ for nearest rounding; stochastic rounding draws Philox bits seeded from PyTorch's
-generator), elsewhere the formats/ references. Callers that feed a GEMM right away ask for
+formats/ for nearest rounding; stochastic rounding hashes its bits from a seed drawn from
+PyTorch's generator), elsewhere the formats/ references. Callers that feed a GEMM right away ask for
 `dq=True`: the kernel then writes the exact BF16 `_dq` operand in the same pass, and the
 returned `NVFP4Operand` / `MXFP8Operand` hands it to the GEMM; copies saved for backward skip
 it and rebuild it there with the dequantize kernel.
