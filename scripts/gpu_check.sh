@@ -6,6 +6,9 @@
 #   scripts/gpu_check.sh tests OUT     every gpu-marked test (pytest -m gpu); log in OUT  (~4 min)
 #   scripts/gpu_check.sh kernels OUT   check_amax_gpu + bench_quantize; JSON in OUT       (~3 min)
 #   scripts/gpu_check.sh linear OUT    bench_linear + the step breakdown of each recipe    (~4 min)
+#   scripts/gpu_check.sh sr OUT        stochastic rounding: the SR kernels with today's hashed
+#                                      bits and with the Philox draw they replaced (A/B, one GPU,
+#                                      two processes), then the SR gpu tests             (~2 min)
 #   scripts/gpu_check.sh train OUT     bench_train --compile on small, batch 32: the study's
 #                                      speed and memory per recipe, each alone on the GPU (~2 min a
 #                                      quantized recipe: compiling it; give it two at a time)
@@ -19,7 +22,7 @@ set -uo pipefail
 PYTHON=${PYTHON:-python3}
 part=${1:-}
 out=${2:-}
-[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -44,10 +47,17 @@ linear)
     for r in nvfp4 mxfp8 nvfp4_fwd_mxfp8_bwd; do
         step "$PYTHON" benchmarks/breakdown_linear.py --recipe "$r" --json "$out/breakdown_$r.json"
     done ;;
+sr)
+    for rng in hash philox; do
+        step "$PYTHON" benchmarks/bench_quantize.py --only SR --rng "$rng" \
+            --json "$out/bench_quantize_sr_$rng.json"
+    done
+    step "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -k stochastic \
+        tests/test_kernels_nvfp4.py tests/test_robust_numerics.py ;;
 train)
     step "$PYTHON" benchmarks/bench_train.py --model small --batch-size 32 --compile \
         --recipes "${RECIPES:-bf16,nvfp4,mxfp8,nvfp4_fwd_mxfp8_bwd}" --json "$out/bench_train.json" ;;
-*) echo "unknown part '$part': tests, kernels, linear or train" >&2; exit 2 ;;
+*) echo "unknown part '$part': tests, kernels, sr, linear or train" >&2; exit 2 ;;
 esac
 echo "gpu_check $part: exit status $status (log $log)"
 exit "$status"

@@ -54,3 +54,21 @@ def test_stochastic_rounding_hashes_each_word_once_a_thread(rows):
     col = by_case["nvfp4 columnwise RHT SR"]
     assert 2 + 2 * col["values_per_thread"] / 4 <= col["hash_multiplies"], col
     assert col["hash_multiplies"] <= 2 + 2 * 2 * col["values_per_thread"] / 4, col
+
+
+def test_the_philox_switch_for_ab_timing_takes_effect(rows, tmp_path):
+    """`--rng philox` (benchmarks/sr_philox.py) must compile the old Philox draw into the
+    kernels, or an A/B timing would compare the hash with itself."""
+    out = tmp_path / "philox.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--shape", "256,256", "--only", "rowwise SR",
+         "--rng", "philox", "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["hash_multiplies"] == 0
+    # Philox4x32-7: seven rounds of two 32x32 -> 64-bit multiplies a draw
+    hashed = {r["case"]: r for r in rows}["nvfp4 1x16 rowwise SR + dq"]
+    assert row["wide_multiplies"] >= hashed["wide_multiplies"] + 14
