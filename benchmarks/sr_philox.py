@@ -16,8 +16,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _philox_uniforms(seed, block_offsets, R: tl.constexpr, NB: tl.constexpr):
-    """FP32 uniforms k/256 for an [R, NB, 16] tile: one Philox4x32-7 draw per block."""
+def _philox_uniforms(
+    seed, block_offsets, R: tl.constexpr, NB: tl.constexpr, COLUMNWISE: tl.constexpr
+):
+    """FP32 uniforms k/256 for an [R, NB, 16] tile: one Philox4x32-7 draw per block, the
+    same byte order for both copies (COLUMNWISE is the hash's switch, unused here)."""
     r0, r1, r2, r3 = tl.randint4x(seed, block_offsets, n_rounds=7)
     j = tl.arange(0, 16)[None, None, :]
     w = tl.where(

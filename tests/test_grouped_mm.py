@@ -202,7 +202,7 @@ def test_grouped_stochastic_rounding_draws_the_dense_kernels_stream():
     seed = int(torch.randint(2**31 - 1, (1,), generator=torch.Generator().manual_seed(4)))
     u_row = nk.sr_uniforms(seed, P, 48)[:64]
     want_row = kg.nvfp4_quantize(x, rounding="stochastic", rand=u_row)
-    u_tok = nk.sr_uniforms(seed, 48, P, nk.columnwise_base(P, 48))[:, :4]
+    u_tok = nk.sr_uniforms(seed, 48, P, nk.columnwise_base(P, 48), columnwise=True)[:, :4]
     want_tok = kg.nvfp4_quantize(
         x, rounding="stochastic", transpose=True, hadamard=True, rand=u_tok
     )

@@ -235,13 +235,15 @@ def launch_seed(seed: int) -> int:
 
 
 STREAM_CASES = [
-    # (kernel options, the quantized copy's [rows, cols] from x's [M, K], its first counter)
-    (dict(), lambda m, k: (m, k, 0)),
-    (dict(block="16x16"), lambda m, k: (m, k, 0)),
-    (dict(transpose=True), lambda m, k: (k, m, nvfp4_kernels.columnwise_base(m, k))),
-    (dict(transpose=True, hadamard=True), lambda m, k: (k, m, nvfp4_kernels.columnwise_base(m, k))),
+    # (kernel options, the quantized copy's [rows, cols] from x's [M, K], its first counter,
+    # and whether it is the kernel's columnwise copy, with that copy's byte order)
+    (dict(), lambda m, k: (m, k, 0, False)),
+    (dict(block="16x16"), lambda m, k: (m, k, 0, False)),
+    (dict(transpose=True), lambda m, k: (k, m, nvfp4_kernels.columnwise_base(m, k), True)),
+    (dict(transpose=True, hadamard=True),
+     lambda m, k: (k, m, nvfp4_kernels.columnwise_base(m, k), True)),
     # a rowwise Hadamard copy is the columnwise copy of x.T: the kernel's rows are x's columns
-    (dict(hadamard=True), lambda m, k: (m, k, nvfp4_kernels.columnwise_base(k, m))),
+    (dict(hadamard=True), lambda m, k: (m, k, nvfp4_kernels.columnwise_base(k, m), True)),
 ]  # fmt: skip
 
 
@@ -253,8 +255,8 @@ def test_stochastic_bits_are_the_documented_stream(case, shape):
     stream. On the GPU this pins the compiled hash to the PyTorch one, bit for bit."""
     mode, copy = STREAM_CASES[case]
     x = randn(*shape, seed=21, outliers=True)
-    rows, cols, base = copy(*shape)
-    u = nvfp4_kernels.sr_uniforms(launch_seed(8), rows, cols, base).to(DEV)
+    rows, cols, base, columnwise = copy(*shape)
+    u = nvfp4_kernels.sr_uniforms(launch_seed(8), rows, cols, base, columnwise).to(DEV)
     got = kernels.nvfp4_quantize(
         x, rounding="stochastic", generator=torch.Generator(DEV).manual_seed(8), **mode
     )
@@ -270,7 +272,9 @@ def test_both_copies_draw_the_documented_stream():
     )
     seed = launch_seed(9)
     u_row = nvfp4_kernels.sr_uniforms(seed, 64, 96).to(DEV)
-    u_col = nvfp4_kernels.sr_uniforms(seed, 96, 64, nvfp4_kernels.columnwise_base(64, 96))
+    u_col = nvfp4_kernels.sr_uniforms(
+        seed, 96, 64, nvfp4_kernels.columnwise_base(64, 96), columnwise=True
+    )
     assert_same(q_row, kernels.nvfp4_quantize(x, rounding="stochastic", rand=u_row))
     want_col = kernels.nvfp4_quantize(
         x, rounding="stochastic", transpose=True, hadamard=True, rand=u_col.to(DEV)
@@ -432,15 +436,16 @@ def test_gpu_stochastic_bits_are_the_documented_stream():
     want, want_dq = kernels.nvfp4_quantize(x, rounding="stochastic", rand=u_row, return_dq=True)
     assert_same(q_row, want)
     assert_bits(dq_row, want_dq)
-    u_col = nvfp4_kernels.sr_uniforms(seed, K, M, nvfp4_kernels.columnwise_base(M, K)).to(DEV)
+    base = nvfp4_kernels.columnwise_base(M, K)
+    u_col = nvfp4_kernels.sr_uniforms(seed, K, M, base, columnwise=True).to(DEV)
     want, want_dq = kernels.nvfp4_quantize(
         x, rounding="stochastic", transpose=True, hadamard=True, rand=u_col, return_dq=True
     )
     assert_same(q_col, want)
     assert_bits(dq_col, want_dq)
     for mode, copy in STREAM_CASES:
-        rows, cols, base = copy(M, K)
-        u = nvfp4_kernels.sr_uniforms(launch_seed(11), rows, cols, base).to(DEV)
+        rows, cols, base, columnwise = copy(M, K)
+        u = nvfp4_kernels.sr_uniforms(launch_seed(11), rows, cols, base, columnwise).to(DEV)
         got = kernels.nvfp4_quantize(
             x, rounding="stochastic", generator=torch.Generator(DEV).manual_seed(11), **mode
         )

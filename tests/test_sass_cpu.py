@@ -42,18 +42,18 @@ def test_every_kernel_compiles_for_sm90_without_spills(rows):
 
 def test_stochastic_rounding_hashes_each_word_once_a_thread(rows):
     """mix32 is two multiplies by its constants: one hash of the seed, then one a 32-bit word
-    (4 values). Rowwise, each thread hashes exactly the words of its own values (the Philox
-    draw it replaced was computed by every thread holding part of a block); the columnwise
-    (MMA) layout gives a thread two values of each of two words, so at most twice that.
-    Nearest rounding hashes nothing."""
+    (4 values). Each thread hashes exactly the words of its own values, rowwise and in the
+    columnwise (MMA) layout with that copy's byte order (the Philox draw it replaced was
+    computed by every thread holding part of a block). Nearest rounding hashes nothing."""
     by_case = {r["case"]: r for r in rows}
     assert by_case["nvfp4 1x16 rowwise + dq"]["hash_multiplies"] == 0
     assert by_case["nvfp4 both (row + col RHT) + dq"]["hash_multiplies"] == 0
     row = by_case["nvfp4 1x16 rowwise SR + dq"]
     assert row["hash_multiplies"] == 2 + 2 * row["values_per_thread"] / 4, row
     col = by_case["nvfp4 columnwise RHT SR"]
-    assert 2 + 2 * col["values_per_thread"] / 4 <= col["hash_multiplies"], col
-    assert col["hash_multiplies"] <= 2 + 2 * 2 * col["values_per_thread"] / 4, col
+    assert col["hash_multiplies"] == 2 + 2 * col["values_per_thread"] / 4, col
+    both = by_case["nvfp4 both SR (grad_output) + dq"]  # a key hash and the words, each copy
+    assert both["hash_multiplies"] == 2 * (2 + 2 * both["values_per_thread"] / 4), both
 
 
 def test_the_philox_switch_for_ab_timing_takes_effect(rows, tmp_path):

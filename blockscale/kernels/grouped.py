@@ -120,7 +120,7 @@ def _nvfp4_grouped_kernel(
         p = p0 + tl.arange(0, BM)
         g = tl.load(group_ptr + p, mask=p < P, other=E)
         s_dec, mult = nvfp4_global(tl.load(amax_row_ptr + g, mask=g < E, other=0.0))
-        u = _uniforms(seed_ptr, seed_ptr, p0, k0, P, K, 0, BM, BK, ROW_SR, False)
+        u = _uniforms(seed_ptr, seed_ptr, p0, k0, P, K, 0, BM, BK, ROW_SR, False, False)
         packed, scode, dq, _ = _quantize_tile(
             x.to(tl.float32), s_dec[:, None], mult[:, None], u, BM, BK, ROW_2D, ROW_SR, DQ_ROW
         )
@@ -133,7 +133,7 @@ def _nvfp4_grouped_kernel(
         mult_t = mult_t[None, :]
         # block counters past the row copy's, as in the dense kernel
         base = ((P + 15) // 16) * 16 * (K // 16)
-        u_t = _uniforms(seed_ptr, seed_ptr, k0, p0, K, P, base, BK, BM, COL_SR, False)
+        u_t = _uniforms(seed_ptr, seed_ptr, k0, p0, K, P, base, BK, BM, COL_SR, False, True)
         quantize_columns(x, s_dec_t, mult_t, u_t, h_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
                          k0, p0, K, P, BK, BM, False, COL_SR, COL_HAD, DQ_COL, DOT_F32)  # fmt: skip
 

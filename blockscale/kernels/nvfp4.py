@@ -50,11 +50,17 @@ from blockscale.kernels.amax import amax_fused, amax_of_copy
 BLOCK = 16
 
 
-# Stochastic rounding's random bits. Value j of 16-value block c of a copy rounds with byte
-# j % 4 of word j // 4 of that block, u = byte / 256, and word q of block c is
+# Stochastic rounding's random bits. Value j of 16-value block c of a copy rounds with
+# u = byte / 256, the byte taken from word q of that block:
+#     rowwise copy:     q = j // 4,           byte j % 4
+#     columnwise copy:  q = (j // 2) % 4,     byte 2 * (j // 8) + j % 2
+# and word q of block c is
 #     mix32(((4 c + q) mod 2^32) XOR mix32(seed)),
 # with c = base + row * (cols / 16) + block (base: 0 for the rowwise copy, past the rowwise
 # counters for the columnwise one) and seed one draw from PyTorch's generator per launch.
+# The two byte orders follow where a copy's values sit: rowwise a thread holds 8 consecutive
+# values of a block, columnwise (the MMA layout of the Hadamard or identity product) values
+# 2t, 2t + 1, 2t + 8, 2t + 9, so each thread needs two words, or one.
 # mix32 is a bijective two-round xorshift-multiply hash of 32 bits. It replaced a Philox4x32-7
 # draw per block (docs/LOG.md, 2026-11-25 evening): every thread that holds part of a block
 # computed the whole draw (two to four times a block), while each word here depends on its
@@ -75,16 +81,19 @@ def mix32(x):
 
 
 @triton.jit
-def _sr_uniforms(seed, block_offsets, R: tl.constexpr, NB: tl.constexpr):
+def _sr_uniforms(seed, block_offsets, R: tl.constexpr, NB: tl.constexpr, COLUMNWISE: tl.constexpr):
     """FP32 uniforms k/256 for an [R, NB, 16] tile from the block counters [R, NB]: four
-    hashed words a block, 8 bits a value. The words are laid out [R, NB, 4] and their bytes
-    [R, NB, 4, 4], so a thread hashes only the words its values need."""
+    hashed words a block, 8 bits a value, in the copy's byte order. The words are laid out
+    [R, NB, 4] and their bytes [R, NB, 4, 4], so a thread hashes only the words its values
+    need."""
     key = mix32(seed.to(tl.uint32))
     q = tl.arange(0, 4).to(tl.uint32)[None, None, :]
     w = mix32(((block_offsets.to(tl.uint32) * 4)[:, :, None] + q) ^ key)
     b = (tl.arange(0, 4) * 8).to(tl.uint32)[None, None, None, :]
-    byte = tl.reshape((w[:, :, :, None] >> b) & 0xFF, [R, NB, 16])
-    return byte.to(tl.float32) * 0.00390625
+    byte = (w[:, :, :, None] >> b) & 0xFF  # [R, NB, word, byte]
+    if COLUMNWISE:  # value 8 * (byte // 2) + 2 * word + byte % 2
+        byte = tl.permute(tl.reshape(byte, [R, NB, 4, 2, 2]), [0, 1, 3, 2, 4])
+    return tl.reshape(byte, [R, NB, 16]).to(tl.float32) * 0.00390625
 
 
 def _mix32_torch(x: torch.Tensor) -> torch.Tensor:
@@ -96,15 +105,20 @@ def _mix32_torch(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
-def sr_uniforms(seed: int, rows: int, cols: int, base: int = 0) -> torch.Tensor:
+def sr_uniforms(
+    seed: int, rows: int, cols: int, base: int = 0, columnwise: bool = False
+) -> torch.Tensor:
     """The kernels' stochastic-rounding uniforms for a [rows, cols] copy, FP32 [rows,
     cols / 16, 16] on the CPU: what `rand` must be for the given-uniform path to reproduce a
-    launch whose seed was `seed` (`base`: that copy's first block counter)."""
+    launch whose seed was `seed` (`base`: that copy's first block counter; `columnwise`: the
+    columnwise copy's byte order)."""
     key = _mix32_torch(torch.tensor(seed & 0xFFFFFFFF, dtype=torch.int64))
     c = base + torch.arange(rows * (cols // 16), dtype=torch.int64).reshape(rows, cols // 16)
     counters = (c[:, :, None] * 4 + torch.arange(4)) & 0xFFFFFFFF
     words = _mix32_torch(counters ^ key)
-    byte = (words[:, :, :, None] >> (torch.arange(4) * 8)) & 0xFF
+    byte = (words[:, :, :, None] >> (torch.arange(4) * 8)) & 0xFF  # [rows, blocks, word, byte]
+    if columnwise:
+        byte = byte.reshape(rows, cols // 16, 4, 2, 2).permute(0, 1, 3, 2, 4)
     return byte.reshape(rows, cols // 16, 16).to(torch.float32) / 256
 
 
@@ -217,6 +231,7 @@ def store_rows(
 def _uniforms(
     seed_ptr, rand_ptr, r0, c0, n_rows, n_cols, base,
     R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr, RAND_GIVEN: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
 ):  # fmt: skip
     """Uniforms for an [R, C] output tile: given as a tensor (tests), or hashed from one
     counter per 16-value block (`base` keeps the rowwise and columnwise copies apart)."""
@@ -231,7 +246,7 @@ def _uniforms(
             rows = r0 + tl.arange(0, R)
             blocks = c0 // 16 + tl.arange(0, C // 16)
             offs = base + rows[:, None] * (n_cols // 16) + blocks[None, :]
-            return _sr_uniforms(tl.load(seed_ptr), offs, R, C // 16)
+            return _sr_uniforms(tl.load(seed_ptr), offs, R, C // 16, COLUMNWISE)
     else:
         return 0.0
 
@@ -256,7 +271,7 @@ def _nvfp4_quantize_kernel(
     )
     if ROW:
         s_dec, mult = nvfp4_global(tl.load(amax_row_ptr))
-        u = _uniforms(seed_ptr, rand_row_ptr, m0, k0, M, K, 0, BM, BK, ROW_SR, RAND_GIVEN)
+        u = _uniforms(seed_ptr, rand_row_ptr, m0, k0, M, K, 0, BM, BK, ROW_SR, RAND_GIVEN, False)
         packed, scode, dq, _ = _quantize_tile(
             x.to(tl.float32), s_dec, mult, u, BM, BK, ROW_2D, ROW_SR, DQ_ROW
         )
@@ -267,7 +282,9 @@ def _nvfp4_quantize_kernel(
         s_dec_t, mult_t = nvfp4_global(tl.load(amax_col_ptr))
         # counters past the rowwise ones (columnwise_base), so the copies draw different bits
         base = ((M + 15) // 16) * 16 * (K // 16)
-        u_t = _uniforms(seed_ptr, rand_col_ptr, k0, m0, K, M, base, BK, BM, COL_SR, RAND_GIVEN)
+        u_t = _uniforms(
+            seed_ptr, rand_col_ptr, k0, m0, K, M, base, BK, BM, COL_SR, RAND_GIVEN, True
+        )
         quantize_columns(x, s_dec_t, mult_t, u_t, h_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
                          k0, m0, K, M, BK, BM, COL_2D, COL_SR, COL_HAD, DQ_COL, DOT_F32)  # fmt: skip
 
