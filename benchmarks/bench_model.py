@@ -55,7 +55,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
 
 import harness  # noqa: E402
-import sr_philox  # noqa: E402
+import replaced  # noqa: E402
 
 from blockscale import _library, recipes  # noqa: E402
 from blockscale import nn as bsnn  # noqa: E402
@@ -468,7 +468,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-recompute-weight", action="store_true",
                         help="save each weight's packed dgrad copy for backward (ops/linear.py's "
                              "RECOMPUTE_WEIGHT off) instead of quantizing it again there")  # fmt: skip
-    sr_philox.add_rng_arg(parser)
+    replaced.add_arg(parser)
     parser.add_argument("--device", default=None)
     parser.add_argument("--quick", action="store_true",
                         help="CPU smoke test: batch 2, sequence 32, 1 warm-up, 2 steps")  # fmt: skip
@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ops_linear = importlib.import_module("blockscale.ops.linear")
     ops_linear.SHARE_INPUT_QUANTIZATION = not args.no_shared_input
     ops_linear.RECOMPUTE_WEIGHT = not args.no_recompute_weight
-    sr_philox.apply(args)  # (for the rest of this process)
+    replaced.apply(args)  # (for the rest of this process)
     info = harness.banner(device)
     rows: list[dict[str, Any]] = []
     for name in models:
@@ -514,7 +514,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                               "inline_triton": args.inline_triton,
                               "shared_input": not args.no_shared_input,
                               "recompute_weight": not args.no_recompute_weight,
-                              "rng": args.rng,
+                              "replaced": args.replaced,
                               "compile_mode": args.compile_mode, "rows": rows}  # fmt: skip
                     harness.write_json(args.out, record)
     add_ratios(rows)

@@ -39,7 +39,7 @@ if not torch.cuda.is_available():  # the CPU smoke test (--quick) runs Triton's 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import harness  # noqa: E402
-import sr_philox  # noqa: E402
+import replaced  # noqa: E402
 
 from blockscale import kernels  # noqa: E402
 from blockscale.formats import nvfp4 as nvfp4_ref  # noqa: E402
@@ -267,9 +267,9 @@ def main() -> None:
     parser.add_argument(
         "--only", default="", help="comma-separated: only kernels whose name contains one"
     )
-    sr_philox.add_rng_arg(parser)
+    replaced.add_arg(parser)
     args = parser.parse_args()
-    sr_philox.apply(args)
+    replaced.apply(args)
     device = harness.pick_device(args.device)
     info = harness.banner(device)
     shape = QUICK_SHAPE if args.quick or device.type != "cuda" else SHAPE
@@ -291,7 +291,7 @@ def main() -> None:
                 "shape": shape,
                 "copy_GBps": copy / 1e9,
                 "timing": "eager" if args.eager else "cuda graph replay",
-                "rng": args.rng,
+                "replaced": args.replaced,
                 "tiles": {k: list(v) for k, v in tiles.items()},
                 "rows": rows,
             },

@@ -6,8 +6,9 @@ specialization Triton's launcher would give it (an int equal to 1 becomes a cons
 pointers divisible by 16 are marked so), disassembles the cubin with the nvdisasm Triton ships,
 and reports per launch: SASS instructions (and by opcode), registers, spills, shared memory,
 the 32x32 -> 64-bit multiplies, the stochastic rounding hash's multiplies (by mix32's
-constants, two a hashed word), and whether the code loops. `--rng philox` compiles the
-Philox draw the hash replaced (benchmarks/sr_philox.py), for before/after counts.
+constants, two a hashed word), and whether the code loops. `--replaced NAME` compiles code
+that was replaced (benchmarks/replaced.py: the Philox draw, the integer MXFP8 dq), for
+before/after counts.
 
 Why: the columnwise, Hadamard and stochastic-rounding kernels are bound by instruction issue,
 not by bytes (docs/KERNELS.md). With no loop, a program runs its code once, so
@@ -46,7 +47,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
 
-import sr_philox  # noqa: E402
+import replaced  # noqa: E402
 from bench_quantize import cases, make_input  # noqa: E402
 
 from blockscale.kernels.nvfp4 import MIX32  # noqa: E402
@@ -142,7 +143,7 @@ def compile_launch(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         "kernel": kernel.fn.__name__,
         "num_warps": compiled.metadata.num_warps,
         "instructions": len(ops),
-        # 32x32 -> 64-bit multiplies (addresses; 14 a Philox4x32-7 draw with --rng philox)
+        # 32x32 -> 64-bit multiplies (addresses; 14 a Philox draw, --replaced sr-philox)
         "wide_multiplies": sum(op in ("IMAD.WIDE.U32", "IMAD.HI.U32") for op in ops),
         # stochastic rounding's hash: the multiplies by mix32's two constants (two a word)
         "hash_multiplies": sum(any(f"0x{c:x}" in m.group(2).lower() for c in MIX32) for m in lines),
@@ -162,9 +163,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--shape", default="16384,8192", help="rows,cols of the BF16 input")
     parser.add_argument("--json", default="")
     parser.add_argument("--ops", type=int, default=0, help="print each launch's N top opcodes")
-    sr_philox.add_rng_arg(parser)
+    replaced.add_arg(parser)
     args = parser.parse_args(argv)
-    sr_philox.apply(args)
+    replaced.apply(args)
     rows_n, cols_n = (int(v) for v in args.shape.split(","))
     torch.library.wrap_triton = _Recorder  # every launcher looks it up at call time
     x = make_input((rows_n, cols_n), torch.device("cpu"))

@@ -6,9 +6,9 @@
 #   scripts/gpu_check.sh tests OUT     every gpu-marked test (pytest -m gpu); log in OUT  (~4 min)
 #   scripts/gpu_check.sh kernels OUT   check_amax_gpu + bench_quantize; JSON in OUT       (~3 min)
 #   scripts/gpu_check.sh linear OUT    bench_linear + the step breakdown of each recipe    (~4 min)
-#   scripts/gpu_check.sh sr OUT        stochastic rounding: the SR kernels with today's hashed
-#                                      bits and with the Philox draw they replaced (A/B, one GPU,
-#                                      two processes), then the SR gpu tests             (~2 min)
+#   scripts/gpu_check.sh ab OUT        the kernels changed on 2026-11-25 (SR bits hashed, MXFP8
+#                                      dq rounded in FP32) against the code they replaced (A/B,
+#                                      one GPU, two processes), then their gpu tests     (~2 min)
 #   scripts/gpu_check.sh train OUT     bench_train --compile on small, batch 32: the study's
 #                                      speed and memory per recipe, each alone on the GPU (~2 min a
 #                                      quantized recipe: compiling it; give it two at a time)
@@ -47,17 +47,16 @@ linear)
     for r in nvfp4 mxfp8 nvfp4_fwd_mxfp8_bwd; do
         step "$PYTHON" benchmarks/breakdown_linear.py --recipe "$r" --json "$out/breakdown_$r.json"
     done ;;
-sr)
-    for rng in hash philox; do
-        step "$PYTHON" benchmarks/bench_quantize.py --only SR --rng "$rng" \
-            --json "$out/bench_quantize_sr_$rng.json"
-    done
-    step "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -k stochastic \
-        tests/test_kernels_nvfp4.py tests/test_robust_numerics.py ;;
+ab)
+    step "$PYTHON" benchmarks/bench_quantize.py --only "SR,mxfp8" --json "$out/bench_quantize_new.json"
+    step "$PYTHON" benchmarks/bench_quantize.py --only "SR,mxfp8" --replaced sr-philox,mx-dq-integer \
+        --json "$out/bench_quantize_replaced.json"
+    step "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -k "stochastic or large" \
+        tests/test_kernels_nvfp4.py tests/test_robust_numerics.py tests/test_kernels_mxfp8.py ;;
 train)
     step "$PYTHON" benchmarks/bench_train.py --model small --batch-size 32 --compile \
         --recipes "${RECIPES:-bf16,nvfp4,mxfp8,nvfp4_fwd_mxfp8_bwd}" --json "$out/bench_train.json" ;;
-*) echo "unknown part '$part': tests, kernels, sr, linear or train" >&2; exit 2 ;;
+*) echo "unknown part '$part': tests, kernels, ab, linear or train" >&2; exit 2 ;;
 esac
 echo "gpu_check $part: exit status $status (log $log)"
 exit "$status"

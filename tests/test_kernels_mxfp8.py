@@ -6,9 +6,12 @@ the hardware conversion. Both must equal torch's cast of the clamped value.
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from blockscale import kernels
 from blockscale.formats import mxfp8
+from blockscale.kernels._common import e4m3_round
 
 ON_GPU = torch.cuda.is_available()
 DEV = "cuda" if ON_GPU else "cpu"
@@ -78,6 +81,33 @@ def test_power_of_two_edges_subnormals_and_non_finite():
         r = mxfp8.quantize(xt, transpose=transpose)
         assert_same(q, r)
         assert_bits(dq, r.dq())
+
+
+@triton.jit
+def _e4m3_round_kernel(x_ptr, out_ptr, n, B: tl.constexpr):
+    i = tl.program_id(0) * B + tl.arange(0, B)
+    tl.store(out_ptr + i, e4m3_round(tl.load(x_ptr + i, mask=i < n)), mask=i < n)
+
+
+def test_e4m3_round_equals_torchs_cast_at_every_grid_point_tie_and_neighbour():
+    """The dq's E4M3 rounding (an FP32 add in a binade whose ulp is the E4M3 step) against
+    torch's cast: every finite E4M3 value, every midpoint between neighbours (a tie: to the
+    even code) and the FP32 numbers on either side of it, both signs, signed zeros, tiny and
+    FP32-subnormal values, the +-448 saturation bound and NaN."""
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite() & (grid >= 0)].unique()  # 0 .. 448, sorted
+    mid = (grid[1:] + grid[:-1]) / 2
+    up, down = torch.full_like(mid, float("inf")), torch.full_like(mid, -float("inf"))
+    special = torch.tensor([0.0, 2.0**-10, 2.0**-12, 1e-30, 1e-40, 3e-45, 2.0**-6, 448.0])
+    mags = torch.cat((grid, mid, mid.nextafter(up), mid.nextafter(down), special))
+    x = torch.cat((mags, -mags, torch.tensor([-0.0, float("nan")]))).to(DEV)
+    out = torch.empty_like(x)
+    _e4m3_round_kernel[(triton.cdiv(x.numel(), 256),)](x, out, x.numel(), B=256)
+    want = x.to(torch.float8_e4m3fn).float()
+    nan = want.isnan()
+    assert torch.equal(out.isnan(), nan)
+    torch.testing.assert_close(out[~nan].view(torch.int32), want[~nan].view(torch.int32),
+                               atol=0, rtol=0)  # fmt: skip
 
 
 def test_both_directions_from_one_read():

@@ -57,13 +57,13 @@ def test_stochastic_rounding_hashes_each_word_once_a_thread(rows):
 
 
 def test_the_philox_switch_for_ab_timing_takes_effect(rows, tmp_path):
-    """`--rng philox` (benchmarks/sr_philox.py) must compile the old Philox draw into the
-    kernels, or an A/B timing would compare the hash with itself."""
+    """`--replaced sr-philox` (benchmarks/replaced.py) must compile the old Philox draw into
+    the kernels, or an A/B timing would compare the hash with itself."""
     out = tmp_path / "philox.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--shape", "256,256", "--only", "rowwise SR",
-         "--rng", "philox", "--json", str(out)],
+         "--replaced", "sr-philox", "--json", str(out)],
         env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

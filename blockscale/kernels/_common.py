@@ -145,6 +145,20 @@ def e4m3_code_signed(x):
 
 
 @triton.jit
+def e4m3_round(w):
+    """FP32 w in [-448, 448] (or NaN) -> the FP32 value of its E4M3 rounding (nearest even),
+    sign kept (-0.0 stays -0.0): e4m3_byte_value(e4m3_code_signed(w)) without the code.
+    |w| + 1.5 * 2^(e + 20), with e the binade of |w| (at least -6, where E4M3's quantum stops
+    shrinking at 2^-9), lands in a binade whose ulp is the E4M3 step 2^(e - 3), so the FP32
+    add rounds |w| to the grid, ties to the even grid point; subtracting the constant again is
+    exact."""
+    bits = w.to(tl.int32, bitcast=True)
+    biased = tl.maximum((bits >> 23) & 0xFF, 121)
+    c = (((biased + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    return with_sign((tl.abs(w) + c) - c, bits < 0)
+
+
+@triton.jit
 def e4m3_byte_value(byte):
     """int32 E4M3 byte (sign in bit 7) -> FP32 value."""
     mag = e4m3_value(byte & 0x7F)

@@ -25,6 +25,7 @@ from blockscale.kernels._common import (
     dq_flags,
     e4m3_byte_value,
     e4m3_code_signed,
+    e4m3_round,
     exp2_int,
     interpreting,
     min_keep_nan,
@@ -56,16 +57,15 @@ def _mx_tile(v, R: tl.constexpr, C: tl.constexpr, HW_FP8: tl.constexpr):
     ecode = tl.where(finite, e + 127, 255)
     w = vb * exp2_int(-e)[:, :, None]
     w = tl.where(w < -448.0, -448.0, min_keep_nan(w, 448.0))
-    code = e4m3_code_signed(w)
     if HW_FP8:
-        # The hardware conversion (RNE, like the integer path) for the stored bytes. The
-        # integer codes above feed the dq: reading the converted bytes back as integers gave
-        # wrong values on sm_90 with Triton 3.6 (docs/LOG.md), the stored bytes did not.
+        # The hardware conversion (RNE, like the integer path) for the stored bytes. The dq
+        # takes its values from e4m3_round, not from these bytes: reading the converted bytes
+        # back as integers gave wrong values on sm_90 with Triton 3.6 (docs/LOG.md).
         byte = w.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
-        byte = code.to(tl.uint8)
+        byte = e4m3_code_signed(w).to(tl.uint8)
     scale = tl.where(finite, exp2_int(e), float("nan"))
-    dq = round_to_bf16(e4m3_byte_value(code) * scale[:, :, None])
+    dq = round_to_bf16(e4m3_round(w) * scale[:, :, None])
     finite_tile = tl.max(tl.max(abs_bits(block_amax), axis=1), axis=0) < 0x7F800000
     return tl.reshape(byte, [R, C]), ecode.to(tl.uint8), tl.reshape(dq, [R, C]), finite_tile
 
