@@ -34,6 +34,7 @@ if not torch.cuda.is_available():  # the CPU smoke test (--quick) runs Triton's 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import harness  # noqa: E402
+import replaced  # noqa: E402
 
 import blockscale as bs  # noqa: E402
 from blockscale import _library, recipes  # noqa: E402
@@ -122,11 +123,12 @@ def bench_case(
     return rows
 
 
-def kernel_rows(m: int, k: int, e: int, device: torch.device, args, copy_bps: float) -> list[dict]:
-    """Each per-group quantization kernel of a step alone, % of the copy ceiling."""
+def kernel_cases(x: torch.Tensor, e: int) -> dict[str, tuple[Any, float]]:
+    """name -> (call, bytes moved) for each per-group quantization kernel of a step, on the
+    rows of x [M, K] split unevenly over e experts (also read by sass_cpu.py)."""
     kg = _library.kernels()
-    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    offs = torch.tensor(split(m, e), dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+    m, k = x.shape
+    offs = torch.tensor(split(m, e), dtype=torch.int64).cumsum(0).to(torch.int32).to(x.device)
     layout = G.token_layout(offs, m)
     p = layout.capacity
     amax = tuple(a for a in kg.group_amax(x, layout, plain=True, hadamard=True))
@@ -154,9 +156,15 @@ def kernel_rows(m: int, k: int, e: int, device: torch.device, args, copy_bps: fl
             2 * m * k + mx_copy(m, k) + 2 * m * k + mx_copy(k, p) + 2 * k * p,
         ),
     }
+    # the layout: source and group of every position
+    return {name: (fn, nbytes + 8 * p) for name, (fn, nbytes) in cases.items()}
+
+
+def kernel_rows(m: int, k: int, e: int, device: torch.device, args, copy_bps: float) -> list[dict]:
+    """Each per-group quantization kernel of a step alone, % of the copy ceiling."""
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     rows = []
-    for name, (fn, nbytes) in cases.items():
-        nbytes += 8 * p  # the layout: source and group of every position
+    for name, (fn, nbytes) in kernel_cases(x, e).items():
         if device.type == "cuda":
             fn()
             graph = torch.cuda.CUDAGraph()
@@ -281,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gemms", action="store_true", help="only the grouped GEMMs alone, per tile config"
     )
+    replaced.add_arg(parser)
     args = parser.parse_args(argv)
+    replaced.apply(args)
     device = harness.pick_device(args.device)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     args.reps = args.reps if args.reps is not None else (2 if args.quick else 15)

@@ -1,6 +1,7 @@
 """The quantization kernels' machine code for an H100 (sm_90), compiled on the CPU: no GPU.
 
-For each kernel bench_quantize.py times, this runs the public function on CPU tensors with
+For each kernel bench_quantize.py times (and each per-group kernel bench_grouped_mm.py
+times, on 8 uneven experts), this runs the public function on CPU tensors with
 every launch recorded instead of run, compiles each recorded launch for sm_90 with the
 specialization Triton's launcher would give it (an int equal to 1 becomes a constant; ints and
 pointers divisible by 16 are marked so), disassembles the cubin with the nvdisasm Triton ships,
@@ -48,6 +49,7 @@ from triton.compiler import ASTSource  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
 
 import replaced  # noqa: E402
+from bench_grouped_mm import kernel_cases  # noqa: E402
 from bench_quantize import cases, make_input  # noqa: E402
 
 from blockscale.kernels.nvfp4 import MIX32  # noqa: E402
@@ -171,7 +173,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     x = make_input((rows_n, cols_n), torch.device("cpu"))
     wanted = [w for w in args.only.split(",") if w]
     results = []
-    for name, _family, fn, nbytes in cases(x):
+    # the dense kernels (bench_quantize.py) and the grouped ones of a mixture-of-experts step
+    # (bench_grouped_mm.py), the rows of x over 8 experts, uneven, one empty
+    grouped = [(f"grouped {n}", "-", fn, b) for n, (fn, b) in kernel_cases(x, 8).items()]
+    for name, _family, fn, nbytes in cases(x) + grouped:
         if wanted and not any(w in name for w in wanted):
             continue
         _Recorder.launches = []

@@ -51,6 +51,10 @@ ab)
     step "$PYTHON" benchmarks/bench_quantize.py --only "SR,mxfp8" --json "$out/bench_quantize_new.json"
     step "$PYTHON" benchmarks/bench_quantize.py --only "SR,mxfp8" --replaced sr-philox,mx-dq-integer \
         --json "$out/bench_quantize_replaced.json"
+    for variant in "" sr-philox,mx-dq-integer; do  # the MoE kernels, DeepSeek-V3-like, 8 experts
+        step "$PYTHON" benchmarks/bench_grouped_mm.py --kernels --recipes bf16 --shapes deepseek-v3 \
+            --tokens 32768 --experts 8 --replaced "$variant" --json "$out/grouped_${variant:-new}.json"
+    done
     step "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -k "stochastic or large" \
         tests/test_kernels_nvfp4.py tests/test_robust_numerics.py tests/test_kernels_mxfp8.py ;;
 train)
