@@ -59,8 +59,8 @@ BLOCK = 16
 # with c = base + row * (cols / 16) + block (base: 0 for the rowwise copy, past the rowwise
 # counters for the columnwise one) and seed one draw from PyTorch's generator per launch.
 # The two byte orders follow where a copy's values sit: rowwise a thread holds 8 consecutive
-# values of a block, columnwise (the MMA layout of the Hadamard or identity product) values
-# 2t, 2t + 1, 2t + 8, 2t + 9, so each thread needs two words, or one.
+# values of a block (two words), columnwise (the MMA layout of the Hadamard or identity
+# product) values 2t, 2t + 1, 2t + 8, 2t + 9 (one word in this order).
 # mix32 is a bijective two-round xorshift-multiply hash of 32 bits. It replaced a Philox4x32-7
 # draw per block (docs/LOG.md, 2026-11-25 evening): every thread that holds part of a block
 # computed the whole draw (two to four times a block), while each word here depends on its
