@@ -56,6 +56,19 @@ from blockscale.kernels.nvfp4 import MIX32  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMS, SCHEDULERS, CLOCK_HZ, COPY_BYTES_S = 132, 4, 1.755e9, 3.0e12
+# An H100 SM's limits on resident programs: registers (allocated 256 a warp at a time),
+# warps, shared memory (228 KiB an SM, 1 KiB of it reserved a program) and programs.
+SM_REGISTERS, SM_WARPS, SM_SHARED, SM_PROGRAMS = 65536, 64, 228 * 1024, 32
+
+
+def programs_per_sm(registers: int, warps: int, shared: int) -> int:
+    """How many programs of a launch fit on one SM at once (occupancy)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = SM_REGISTERS // max(per_warp * warps, 1)
+    by_shared = SM_SHARED // (shared + 1024)
+    return min(by_registers, SM_WARPS // warps, by_shared, SM_PROGRAMS)
+
+
 _DTYPES = {
     torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
     torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
@@ -187,14 +200,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             warp_instr = stats["instructions"] * stats["num_warps"] * programs
             issue_s = warp_instr / (SMS * SCHEDULERS * CLOCK_HZ)
             byte_s = nbytes / COPY_BYTES_S
-            row = {"case": name, "programs": programs, **stats,
+            resident = programs_per_sm(
+                stats["registers"], stats["num_warps"], stats["shared_bytes"]
+            )
+            row = {"case": name, "programs": programs, **stats, "programs_per_sm": resident,
                    "values_per_thread": x.numel() / (programs * stats["num_warps"] * 32),
                    "warp_instr_per_value": warp_instr / x.numel(),
                    "issue_bound_us": issue_s * 1e6, "byte_bound_us": byte_s * 1e6}  # fmt: skip
             results.append(row)
             print(
                 f"{name[:40]:40s} {stats['kernel'][:28]:28s} sass {stats['instructions']:5d} "
-                f"regs {stats['registers']:3d} spill {stats['spill_bytes']:4d} "
+                f"regs {stats['registers']:3d} ({resident}/SM) spill {stats['spill_bytes']:4d} "
                 f"hash-mul {stats['hash_multiplies']:3d}{' loop' if stats['loops'] else ''}"
                 f"  {row['warp_instr_per_value']:.2f} warp-instr/value: issue "
                 f"{row['issue_bound_us']:.0f} us vs bytes {row['byte_bound_us']:.0f} us",
