@@ -10,6 +10,8 @@
 #                                      dq rounded in FP32), dense and grouped, against the code
 #                                      they replaced (A/B, one GPU, two processes each; their gpu
 #                                      tests are in `tests`)                             (~4 min)
+#   scripts/gpu_check.sh sweep OUT     bench_quantize --sweep: each kernel family's tiles timed
+#                                      again (more configs since 2026-11-25)              (~4 min)
 #   scripts/gpu_check.sh train OUT     bench_train --compile on small, batch 32: the study's
 #                                      speed and memory per recipe, each alone on the GPU (~2 min a
 #                                      quantized recipe: compiling it; give it two at a time)
@@ -23,7 +25,7 @@ set -uo pipefail
 PYTHON=${PYTHON:-python3}
 part=${1:-}
 out=${2:-}
-[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -59,10 +61,12 @@ ab)
             --tokens 32768 --experts 8 --replaced "$code" --json "$out/grouped_$variant.json"
     done
     ;;
+sweep)
+    step "$PYTHON" benchmarks/bench_quantize.py --sweep --json "$out/bench_quantize_sweep.json" ;;
 train)
     step "$PYTHON" benchmarks/bench_train.py --model small --batch-size 32 --compile \
         --recipes "${RECIPES:-bf16,nvfp4,mxfp8,nvfp4_fwd_mxfp8_bwd}" --json "$out/bench_train.json" ;;
-*) echo "unknown part '$part': tests, kernels, ab, linear or train" >&2; exit 2 ;;
+*) echo "unknown part '$part': tests, kernels, ab, sweep, linear or train" >&2; exit 2 ;;
 esac
 echo "gpu_check $part: exit status $status (log $log)"
 exit "$status"
