@@ -9,8 +9,8 @@
 
 `use(names)` puts the old functions back into the kernels' modules. Triton resolves a kernel's
 callees when it first compiles it, so call it before the first launch, in its own process:
-bench_quantize.py, bench_model.py and sass_cpu.py take `--replaced NAME[,NAME]`, so one device
-call can time both versions in two processes.
+bench_quantize.py, bench_grouped_mm.py, bench_model.py and sass_cpu.py take `--replaced
+NAME[,NAME]`, so one device call can time both versions in two processes.
 """
 
 from __future__ import annotations

@@ -190,6 +190,7 @@ def test_grouped_stochastic_rounding_draws_the_dense_kernels_stream():
     through its given-uniform path is the check."""
     kg = _library.kernels()
     from blockscale.kernels import nvfp4 as nk
+    from blockscale.kernels._common import sr_seed
 
     x, _, _, offs = _data([64], 0, k=48)
     x = x.bfloat16()
@@ -199,7 +200,7 @@ def test_grouped_stochastic_rounding_draws_the_dense_kernels_stream():
         x, layout, rows="stochastic", tokens="stochastic", hadamard=True,
         generator=torch.Generator().manual_seed(4),
     )  # fmt: skip
-    seed = int(torch.randint(2**31 - 1, (1,), generator=torch.Generator().manual_seed(4)))
+    seed = int(sr_seed(x.device, torch.Generator().manual_seed(4)))
     u_row = nk.sr_uniforms(seed, P, 48)[:64]
     want_row = kg.nvfp4_quantize(x, rounding="stochastic", rand=u_row)
     u_tok = nk.sr_uniforms(seed, 48, P, nk.columnwise_base(P, 48), columnwise=True)[:, :4]

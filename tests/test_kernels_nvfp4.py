@@ -11,6 +11,7 @@ import torch
 from blockscale import kernels
 from blockscale.formats import hadamard, nvfp4
 from blockscale.kernels import nvfp4 as nvfp4_kernels
+from blockscale.kernels._common import sr_seed
 
 ON_GPU = torch.cuda.is_available()
 DEV = "cuda" if ON_GPU else "cpu"
@@ -228,10 +229,8 @@ def test_stochastic_philox_neighbours_determinism(mode):
 
 
 def launch_seed(seed: int) -> int:
-    """The seed a launch given torch.Generator(DEV).manual_seed(seed) hashes its bits with
-    (kernels' sr_seed: one draw from that generator)."""
-    g = torch.Generator(DEV).manual_seed(seed)
-    return int(torch.randint(2**31 - 1, (1,), generator=g, device=DEV, dtype=torch.int64))
+    """The seed a launch given torch.Generator(DEV).manual_seed(seed) hashes its bits with."""
+    return int(sr_seed(torch.device(DEV), torch.Generator(DEV).manual_seed(seed)))
 
 
 STREAM_CASES = [

@@ -68,15 +68,17 @@ BLOCK = 16
 # 32-bit multiplies a word instead of fourteen 64-bit ones a block. `sr_uniforms` below is
 # the same stream in PyTorch (tests compare the kernels with it bit for bit).
 MIX32 = (0x21F0AAAD, 0x735A2D97)
+_MIX32_A = tl.constexpr(MIX32[0])
+_MIX32_B = tl.constexpr(MIX32[1])
 
 
 @triton.jit
 def mix32(x):
     """The bijective 32-bit hash of uint32 x: two xorshift-multiply rounds."""
     x = x ^ (x >> 16)
-    x = x * 0x21F0AAAD
+    x = x * _MIX32_A
     x = x ^ (x >> 15)
-    x = x * 0x735A2D97
+    x = x * _MIX32_B
     return x ^ (x >> 15)
 
 
