@@ -17,6 +17,9 @@ over its time, against the copy ceiling of the same run.
 
     python benchmarks/bench_grouped_mm.py --json results/bench_grouped_mm_h100.json
     python benchmarks/bench_grouped_mm.py --quick          # CPU smoke test
+    python benchmarks/bench_grouped_mm.py --kernels --recipes bf16 --shapes deepseek-v3 \
+        --tokens 32768 --experts 8 --kernel-tiles '64,64,4;64,64,4,168;32,64,4'
+                                    # the per-group kernels at each tile (both-direction kinds)
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ if not torch.cuda.is_available():  # the CPU smoke test (--quick) runs Triton's 
 
 import harness  # noqa: E402
 import replaced  # noqa: E402
+import tiles  # noqa: E402
 
 import blockscale as bs  # noqa: E402
 from blockscale import _library, recipes  # noqa: E402
 from blockscale.formats import grouped as G  # noqa: E402
+from blockscale.kernels.grouped import TILES as G_TILES  # noqa: E402
 
 SHAPES = {"deepseek-v3": (7168, 2048), "llama-4": (5120, 8192)}
 TOKENS = [32768, 65536]
@@ -289,9 +294,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gemms", action="store_true", help="only the grouped GEMMs alone, per tile config"
     )
+    parser.add_argument(
+        "--kernel-tiles",
+        default="",
+        metavar="BM,BK,WARPS[,MAXNREG][;...]",
+        help="with --kernels: time the per-group kernels once per tile given, set for the "
+        "nvfp4 and mxfp8 both-direction kinds (kernels.grouped.TILES)",
+    )
     replaced.add_arg(parser)
+    tiles.add_arg(parser)
     args = parser.parse_args(argv)
     replaced.apply(args)
+    tiles.apply(args)
+    kernel_tiles = [cfg for _, _, cfg in tiles.parse(";".join(
+        f"grouped.nvfp4:both_dq={c}" for c in args.kernel_tiles.split(";") if c.strip()
+    ))]  # fmt: skip
     device = harness.pick_device(args.device)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     args.reps = args.reps if args.reps is not None else (2 if args.quick else 15)
@@ -326,10 +343,19 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     kernels: list[dict[str, Any]] = []
     if args.kernels:
-        for k, _ in shapes.values():
-            for m in tokens:
-                kernels += kernel_rows(m, k, 8 if not args.quick else 4, device, args, copy_bps)
-        harness.print_table(kernels, ["kernel", "M,K,E", "us", "GB/s", "pct_copy"])
+        for cfg in kernel_tiles or [None]:
+            if cfg is not None:  # both formats' both-direction launches (with and without dq)
+                for key in ("nvfp4:both", "nvfp4:both_dq", "mxfp8:both", "mxfp8:both_dq"):
+                    G_TILES[key] = cfg
+            for k, _ in shapes.values():
+                for m in tokens:
+                    found = kernel_rows(m, k, 8 if not args.quick else 4, device, args, copy_bps)
+                    kernels += [
+                        # the group amax has its own tile (kernels.grouped.AMAX_TILE)
+                        {**r, "tiles": "-" if "amax" in r["kernel"] else str(cfg or "default")}
+                        for r in found
+                    ]
+        harness.print_table(kernels, ["kernel", "M,K,E", "tiles", "us", "GB/s", "pct_copy"])
     for label, (k, n) in shapes.items():
         for m in tokens:
             for e in experts:
@@ -341,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     if args.json:
         record = {"benchmark": "grouped_mm", "banner": info, "copy_tbps": copy_bps / 1e12,
+                  "tiles": args.tiles, "kernel_tiles": args.kernel_tiles,
                   "rows": rows, "kernels": kernels,
                   "argv": sys.argv[1:] if argv is None else argv}  # fmt: skip
         harness.write_json(args.json, record)

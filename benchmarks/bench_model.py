@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from
 
 import harness  # noqa: E402
 import replaced  # noqa: E402
+import tiles  # noqa: E402
 
 from blockscale import _library, recipes  # noqa: E402
 from blockscale import nn as bsnn  # noqa: E402
@@ -469,6 +470,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="save each weight's packed dgrad copy for backward (ops/linear.py's "
                              "RECOMPUTE_WEIGHT off) instead of quantizing it again there")  # fmt: skip
     replaced.add_arg(parser)
+    tiles.add_arg(parser)
     parser.add_argument("--device", default=None)
     parser.add_argument("--quick", action="store_true",
                         help="CPU smoke test: batch 2, sequence 32, 1 warm-up, 2 steps")  # fmt: skip
@@ -496,6 +498,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ops_linear.SHARE_INPUT_QUANTIZATION = not args.no_shared_input
     ops_linear.RECOMPUTE_WEIGHT = not args.no_recompute_weight
     replaced.apply(args)  # (for the rest of this process)
+    tiles.apply(args)
     info = harness.banner(device)
     rows: list[dict[str, Any]] = []
     for name in models:
@@ -514,7 +517,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                               "inline_triton": args.inline_triton,
                               "shared_input": not args.no_shared_input,
                               "recompute_weight": not args.no_recompute_weight,
-                              "replaced": args.replaced,
+                              "replaced": args.replaced, "tiles": args.tiles,
                               "compile_mode": args.compile_mode, "rows": rows}  # fmt: skip
                     harness.write_json(args.out, record)
     add_ratios(rows)

@@ -25,7 +25,6 @@ plain calls instead. `--sweep` tries a few tile shapes per kernel family and kee
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from collections.abc import Callable
@@ -40,23 +39,23 @@ if not torch.cuda.is_available():  # the CPU smoke test (--quick) runs Triton's 
 
 import harness  # noqa: E402
 import replaced  # noqa: E402
+import tiles as tile_args  # noqa: E402
 
 from blockscale import kernels  # noqa: E402
 from blockscale.formats import nvfp4 as nvfp4_ref  # noqa: E402
 
-# The modules, not the functions of the same name that blockscale.kernels exports.
-TILE_TABLES = {
-    name: importlib.import_module(f"blockscale.kernels.{name}").TILES
-    for name in ("amax", "nvfp4", "mxfp8")
-}
+TILE_TABLES = tile_args.TABLES
 
 SHAPE = (16384, 8192)
 QUICK_SHAPE = (128, 256)
-# (BM, BK, warps). The last two give a thread 32 and 16 values of a [32, *] tile with 4 warps:
-# compiled for sm_90 on the CPU (sass_cpu.py), MXFP8 both + dq at (32, 128, 4) issues ~20%
-# fewer instructions a value than at its (32, 128, 8) with no spill and the same warps an SM
-# (docs/LOG.md, 2026-11-25 evening); untimed until a GPU sweep.
-SWEEP = [(64, 128, 8), (32, 128, 8), (64, 64, 4), (64, 64, 8), (32, 128, 4), (32, 64, 4)]
+# (BM, BK, warps[, maxnreg]). (32, 128, 4) and (32, 64, 4) give a thread 32 and 16 values of a
+# [32, *] tile with 4 warps: compiled for sm_90 on the CPU (sass_cpu.py), MXFP8 both + dq at
+# (32, 128, 4) issues ~20% fewer instructions a value than at its (32, 128, 8) with no spill and
+# the same warps an SM (docs/LOG.md, 2026-11-25 evening). The last caps 64x64/4 at 128
+# registers: 4 programs an SM where the both-direction kernels (162-168 registers) fit 3, for
+# some spill (docs/LOG.md, 2026-11-25 night). Untimed until a GPU sweep.
+SWEEP = [(64, 128, 8), (32, 128, 8), (64, 64, 4), (64, 64, 8), (32, 128, 4), (32, 64, 4),
+         (64, 64, 4, 128)]  # fmt: skip
 # Families whose tiles an earlier sweep settled (docs/LOG.md): not swept again by default.
 SETTLED = {"amax:plain", "nvfp4:row", "mxfp8:row"}
 AMAX_SWEEP = [(32, 256, 8, 2), (32, 128, 4, 16), (64, 64, 4, 2), (32, 64, 4, 4)]
@@ -272,8 +271,10 @@ def main() -> None:
         "--only", default="", help="comma-separated: only kernels whose name contains one"
     )
     replaced.add_arg(parser)
+    tile_args.add_arg(parser)
     args = parser.parse_args()
     replaced.apply(args)
+    tile_args.apply(args)
     device = harness.pick_device(args.device)
     info = harness.banner(device)
     shape = QUICK_SHAPE if args.quick or device.type != "cuda" else SHAPE
@@ -296,6 +297,7 @@ def main() -> None:
                 "copy_GBps": copy / 1e9,
                 "timing": "eager" if args.eager else "cuda graph replay",
                 "replaced": args.replaced,
+                "tiles_given": args.tiles,
                 "tiles": {k: list(v) for k, v in tiles.items()},
                 "rows": rows,
             },

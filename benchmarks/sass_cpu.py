@@ -49,6 +49,7 @@ from triton.compiler import ASTSource  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
 
 import replaced  # noqa: E402
+import tiles  # noqa: E402
 from bench_grouped_mm import kernel_cases  # noqa: E402
 from bench_quantize import cases, make_input  # noqa: E402
 
@@ -130,7 +131,7 @@ def _tool(name: str) -> str:
 
 def compile_launch(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     """SASS statistics of one recorded launch compiled for sm_90."""
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
     signature, constexprs, attrs = _specialize(kernel, args, kwargs)
     compiled = triton.compile(
         ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options
@@ -179,8 +180,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--json", default="")
     parser.add_argument("--ops", type=int, default=0, help="print each launch's N top opcodes")
     replaced.add_arg(parser)
+    tiles.add_arg(parser)
     args = parser.parse_args(argv)
     replaced.apply(args)
+    tiles.apply(args)
     rows_n, cols_n = (int(v) for v in args.shape.split(","))
     torch.library.wrap_triton = _Recorder  # every launcher looks it up at call time
     x = make_input((rows_n, cols_n), torch.device("cpu"))

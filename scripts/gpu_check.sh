@@ -11,7 +11,9 @@
 #                                      they replaced (A/B, one GPU, two processes each; their gpu
 #                                      tests are in `tests`)                             (~4 min)
 #   scripts/gpu_check.sh sweep OUT     bench_quantize --sweep: each kernel family's tiles timed
-#                                      again (more configs since 2026-11-25)              (~4 min)
+#                                      again (more configs since 2026-11-25, and a 128-register
+#                                      cap), then the MoE per-group kernels at each tile and
+#                                      register cap (bench_grouped_mm --kernel-tiles)     (~6 min)
 #   scripts/gpu_check.sh train OUT     bench_train --compile on small, batch 32: the study's
 #                                      speed and memory per recipe, each alone on the GPU (~2 min a
 #                                      quantized recipe: compiling it; give it two at a time)
@@ -25,7 +27,7 @@ set -uo pipefail
 PYTHON=${PYTHON:-python3}
 part=${1:-}
 out=${2:-}
-[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -62,7 +64,13 @@ ab)
     done
     ;;
 sweep)
-    step "$PYTHON" benchmarks/bench_quantize.py --sweep --json "$out/bench_quantize_sweep.json" ;;
+    step "$PYTHON" benchmarks/bench_quantize.py --sweep --json "$out/bench_quantize_sweep.json"
+    # the grouped kernels' both-direction tiles (kernels.grouped.TILES), DeepSeek-V3-like: the
+    # backward's 203 registers keep 2 programs an SM at 64x64/4; 168 and 128 caps give 3 and 4
+    step "$PYTHON" benchmarks/bench_grouped_mm.py --kernels --recipes bf16 --shapes deepseek-v3 \
+        --tokens 32768 --experts 8 \
+        --kernel-tiles "64,64,4;64,64,4,168;64,64,4,128;64,64,8;32,64,4;32,128,8;32,128,4" \
+        --json "$out/grouped_kernel_tiles.json" ;;
 train)
     step "$PYTHON" benchmarks/bench_train.py --model small --batch-size 32 --compile \
         --recipes "${RECIPES:-bf16,nvfp4,mxfp8,nvfp4_fwd_mxfp8_bwd}" --json "$out/bench_train.json" ;;

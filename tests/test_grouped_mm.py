@@ -216,6 +216,51 @@ def test_grouped_stochastic_rounding_draws_the_dense_kernels_stream():
         torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("cfg", [(32, 64, 4, 128), (64, 32, 8)])
+def test_grouped_kernels_give_the_same_bits_at_any_tile(cfg, monkeypatch):
+    """kernels.grouped.TILES overrides the dense tables for the per-group launches (what
+    `bench_grouped_mm.py --kernel-tiles` sweeps; a fourth entry caps the registers, which the
+    interpreter ignores). Blocks and the stochastic stream's counters follow positions, not
+    tiles, so any tile gives the default's bits, here with both copies stochastic and `_dq`."""
+    kg = _library.kernels()
+    from blockscale.kernels import grouped as kgrp
+
+    x, _, _, offs = _data([20, 0, 45, 31], 7, k=96)
+    x = x.bfloat16()
+    layout = G.token_layout(offs, x.shape[0])
+
+    def copies():
+        (q, dq), (q_t, dq_t) = kg.nvfp4_quantize_grouped(
+            x, layout, rows="stochastic", tokens="stochastic", hadamard=True,
+            return_dq=(True, True), generator=torch.Generator().manual_seed(5),
+        )  # fmt: skip
+        (m, mdq), (m_t, mdq_t) = kg.mxfp8_quantize_grouped(x, layout, True, True, (True, True))
+        r = int(offs[-1])  # the row copies leave the rows past the last group unwritten
+        rows = [q.data[:r], q.scale[:r], m.data[:r], m.scale[:r], dq[:r], mdq[:r]]
+        tokens = [q_t.data, q_t.scale, m_t.data, m_t.scale, dq_t, mdq_t]
+        return [t.view(torch.uint8) if t.dtype != torch.bfloat16 else t for t in rows + tokens]
+
+    want = copies()
+    used = []
+
+    def recording(entry):
+        used.append(entry)
+        return launch_tiles(entry)
+
+    from blockscale.kernels._common import launch_tiles
+
+    monkeypatch.setattr(kgrp, "launch_tiles", recording)
+    for key in ("nvfp4:both_dq", "mxfp8:both_dq"):
+        monkeypatch.setitem(kgrp.TILES, key, cfg)
+    got = copies()
+    assert used == [cfg, cfg]
+    assert launch_tiles(cfg)[2] == (
+        {"num_warps": cfg[2], "maxnreg": cfg[3]} if len(cfg) == 4 else {"num_warps": cfg[2]}
+    )
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+
+
 def test_group_amax_propagates_nan_and_inf_per_group():
     kg = _library.kernels()
     x, _, _, offs = _data([20, 30, 14], 0, k=32)

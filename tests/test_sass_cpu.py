@@ -72,3 +72,45 @@ def test_the_philox_switch_for_ab_timing_takes_effect(rows, tmp_path):
     # Philox4x32-7: seven rounds of two 32x32 -> 64-bit multiplies a draw
     hashed = {r["case"]: r for r in rows}["nvfp4 1x16 rowwise SR + dq"]
     assert row["wide_multiplies"] >= hashed["wide_multiplies"] + 14
+
+
+def test_a_register_cap_given_on_the_command_line_reaches_the_compiler(rows, tmp_path):
+    """`--tiles TABLE.KEY=BM,BK,WARPS,MAXNREG` (benchmarks/tiles.py) sets a launch's register
+    cap, which ptxas honours (spilling if it must): the both-direction SR kernel, 168 registers
+    at its default 64x64/4 tile, compiles within 128 with the cap, so 4 programs fit an SM."""
+    out = tmp_path / "capped.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--shape", "256,256", "--only", "both SR",
+         "--tiles", "nvfp4.both_dq=64,64,4,128", "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (capped,) = json.loads(out.read_text())["rows"]
+    default = {r["case"]: r for r in rows}["nvfp4 both SR (grad_output) + dq"]
+    assert default["registers"] > 128 and default["programs_per_sm"] < 4, default
+    assert capped["registers"] <= 128 and capped["programs_per_sm"] == 4, capped
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "nvfp4.both_dq=64,64",  # too few values
+        "nvfp4.both_dq=64,64,4,128,1",  # too many
+        "nvfp4.bath_dq=64,64,4",  # no such kind
+        "fp8.both_dq=64,64,4",  # no such table
+        "grouped.both_dq=64,64,4",  # grouped keys name the format
+        "amax.plain=32,256,8",  # amax entries keep their four values
+        "nvfp4.both_dq=64,64,x",
+    ],
+)
+def test_tile_overrides_refuse_what_no_launcher_reads(spec):
+    sys.path.insert(0, str(SCRIPT.parent))
+    import tiles  # noqa: PLC0415 (benchmarks/tiles.py)
+
+    with pytest.raises(SystemExit, match="--tiles"):
+        tiles.parse(spec)
+    assert tiles.parse("grouped.nvfp4:both_dq=32,64,4,168;mxfp8.col=64,64,4") == [
+        ("grouped", "nvfp4:both_dq", (32, 64, 4, 168)),
+        ("mxfp8", "col", (64, 64, 4)),
+    ]

@@ -71,6 +71,16 @@ def dq_flags(return_dq: bool | tuple[bool, bool]) -> tuple[bool, bool]:
     return bool(row), bool(col)
 
 
+def launch_tiles(cfg: tuple) -> tuple[int, int, dict]:
+    """A quantize launcher's tile entry (BM, BK, num_warps[, maxnreg]) -> (BM, BK, launch
+    options). maxnreg caps a thread's registers (ptxas spills to stay under it), so that more
+    programs fit on an SM; the defaults set none, benchmarks sweep it (docs/KERNELS.md)."""
+    bm, bk, warps, *cap = cfg
+    if len(cap) > 1:
+        raise ValueError(f"a tile entry is (BM, BK, num_warps[, maxnreg]), got {cfg}")
+    return bm, bk, {"num_warps": warps, **({"maxnreg": cap[0]} if cap else {})}
+
+
 def sr_seed(device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
     """One int64 seed on `device` drawn from PyTorch's generator: torch.manual_seed reproduces
     it, and a CUDA graph records the draw, so replays get fresh noise without a host sync."""

@@ -44,14 +44,19 @@ from blockscale.kernels._common import (
     hadamard_16,
     hadamard_matrix,
     interpreting,
+    launch_tiles,
     nvfp4_global,
     sr_seed,
 )
 from blockscale.kernels.mxfp8 import _mx_tile, quantize_columns_mx, store_mx_rows
 from blockscale.kernels.nvfp4 import _quantize_tile, _uniforms, quantize_columns, store_rows
 
-# (BM, BK, num_warps) for the amax pass; the quantize passes use the dense kernels' TILES.
+# (BM, BK, num_warps) for the amax pass.
 AMAX_TILE = (64, 128, 4)
+# The quantize passes use the dense kernels' TILES unless an entry here ("nvfp4:both_dq",
+# "mxfp8:both_dq", ...) overrides one: (BM, BK, num_warps[, maxnreg]), _common.launch_tiles.
+# Empty by default; bench_grouped_mm.py --kernel-tiles sweeps it.
+TILES: dict[str, tuple] = {}
 
 
 @triton.jit
@@ -221,14 +226,14 @@ def _nvfp4_quantize_grouped_2d(
     kind = ("both" if row and col else ("col" if col else "row")) + (
         "_dq" if dq_row or dq_col else ""
     )
-    bm, bk, warps = nv.TILES[kind]
+    bm, bk, options = launch_tiles(TILES.get(f"nvfp4:{kind}", nv.TILES[kind]))
     torch.library.wrap_triton(_nvfp4_grouped_kernel)[(cdiv(P, bm), cdiv(K, bk))](
         x, x.stride(0), x.stride(1), source if source is not None else group, group, P, K, E,
         amax_row, amax_col, hadamard_matrix(dev), seed if seed is not None else amax_row,
         data, scale, dq_r.view(torch.int16), data_t, scale_t, dq_c.view(torch.int16),
         ROW=row, COL=col, ROW_2D=row_2d, ROW_SR=row_sr, COL_SR=col_sr, COL_HAD=col_hadamard,
         DQ_ROW=dq_row, DQ_COL=dq_col, GATHER=source is not None, DOT_F32=dot_in_fp32(x),
-        BM=bm, BK=bk, num_warps=warps,
+        BM=bm, BK=bk, **options,
     )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c
 
@@ -255,12 +260,12 @@ def _mxfp8_quantize_grouped_2d(
         kind = ("both" if row and col else ("col" if col else "row")) + (
             "_dq" if dq_row or dq_col else ""
         )
-        bm, bk, warps = mx.TILES[kind]
+        bm, bk, options = launch_tiles(TILES.get(f"mxfp8:{kind}", mx.TILES[kind]))
         torch.library.wrap_triton(_mxfp8_grouped_kernel)[(cdiv(P, bm), cdiv(K, bk))](
             x, x.stride(0), x.stride(1), source if source is not None else data, P, K,
             data, scale, dq_r.view(torch.int16), data_t, scale_t, dq_c.view(torch.int16),
             ROW=row, COL=col, DQ_ROW=dq_row, DQ_COL=dq_col, HW_FP8=not interpreting(),
-            GATHER=source is not None, DOT_F32=dot_in_fp32(x), BM=bm, BK=bk, num_warps=warps,
+            GATHER=source is not None, DOT_F32=dot_in_fp32(x), BM=bm, BK=bk, **options,
         )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c
 

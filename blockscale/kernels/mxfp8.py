@@ -28,6 +28,7 @@ from blockscale.kernels._common import (
     e4m3_round,
     exp2_int,
     interpreting,
+    launch_tiles,
     min_keep_nan,
     relayout_16,
     round_to_bf16,
@@ -174,7 +175,8 @@ def _mxfp8_dequantize_kernel(
     tl.store(out_ptr + rows[:, None] * C + cols[None, :], bf16_bits(dq), mask=m)
 
 
-# (BM, BK, num_warps) per kind of launch (docs/KERNELS.md); the benchmark may sweep these.
+# (BM, BK, num_warps[, maxnreg]) per kind of launch (_common.launch_tiles, docs/KERNELS.md);
+# the benchmark may sweep these.
 TILES = {
     "row": (64, 128, 8),
     "row_dq": (32, 128, 8),
@@ -208,13 +210,13 @@ def _mxfp8_quantize_2d(
         kind = ("both" if row and col else ("col" if col else "row")) + (
             "_dq" if dq_row or dq_col else ""
         )
-        bm, bk, warps = TILES[kind]
+        bm, bk, options = launch_tiles(TILES[kind])
         grid = (cdiv(M, bm), cdiv(K, bk))
         torch.library.wrap_triton(_mxfp8_quantize_kernel)[grid](
             x, x.stride(0), x.stride(1), M, K, data, scale, dq_r.view(torch.int16), data_t, scale_t,
             dq_c.view(torch.int16),
             ROW=row, COL=col, DQ_ROW=dq_row, DQ_COL=dq_col, HW_FP8=not interpreting(), DOT_F32=dot_in_fp32(x),
-            BM=bm, BK=bk, num_warps=warps,
+            BM=bm, BK=bk, **options,
         )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c
 

@@ -38,6 +38,7 @@ from blockscale.kernels._common import (
     e4m3_value,
     hadamard_16,
     hadamard_matrix,
+    launch_tiles,
     max_keep_nan,
     min_keep_nan,
     nvfp4_global,
@@ -362,8 +363,8 @@ def _nvfp4_dequantize_kernel(
 
 # ----------------------------------------------------------------------------- launchers
 
-# (BM, BK, num_warps) per kind of launch; measured on an H100 (docs/KERNELS.md). The
-# benchmark may override these to sweep tile shapes.
+# (BM, BK, num_warps[, maxnreg]) per kind of launch (_common.launch_tiles); measured on an
+# H100 (docs/KERNELS.md). The benchmark may override these to sweep tile shapes.
 # A `_dq` launch keeps twice the values live: tiles of 16 values per thread keep it under
 # ~100 registers (occupancy), where 32 per thread suit the launches without dq.
 TILES = {
@@ -419,9 +420,9 @@ def _nvfp4_quantize_2d(
         return data, scale, dq_r, data_t, scale_t, dq_c
     rand_given = rand_row is not None or rand_col is not None
     dummy = amax_row
-    bm, bk, warps = TILES[
+    bm, bk, options = launch_tiles(TILES[
         ("both" if row and col else ("col" if col else "row")) + ("_dq" if dq_row or dq_col else "")
-    ]
+    ])  # fmt: skip
     grid = (cdiv(M, bm), cdiv(K, bk))
     torch.library.wrap_triton(_nvfp4_quantize_kernel)[grid](
         x, x.stride(0), x.stride(1), M, K,
@@ -433,7 +434,7 @@ def _nvfp4_quantize_2d(
         ROW=row, COL=col, ROW_2D=row_2d, COL_2D=col_2d, ROW_SR=row_sr, COL_SR=col_sr,
         COL_HAD=col_hadamard, RAND_GIVEN=rand_given, DQ_ROW=dq_row, DQ_COL=dq_col,
         DOT_F32=dot_in_fp32(x),
-        BM=bm, BK=bk, num_warps=warps,
+        BM=bm, BK=bk, **options,
     )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c
 

@@ -1,0 +1,63 @@
+"""The quantize launchers' tile tables, set from a benchmark's command line.
+
+`--tiles 'nvfp4.both_dq=64,64,4,128;grouped.nvfp4:both_dq=32,64,4'` sets entries of
+kernels.nvfp4.TILES, kernels.mxfp8.TILES, kernels.amax.TILES or kernels.grouped.TILES (the
+grouped kernels' overrides of the dense tables, keyed "nvfp4:KIND" / "mxfp8:KIND") before
+anything launches. A quantize entry is (BM, BK, num_warps[, maxnreg]) (`_common.launch_tiles`);
+an amax entry keeps its own length. bench_quantize.py, bench_grouped_mm.py, bench_model.py and
+sass_cpu.py take it, so a tile (or a register cap) can be timed, or counted on the CPU, without
+editing the defaults.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+TABLES = {
+    name: importlib.import_module(f"blockscale.kernels.{name}").TILES
+    for name in ("amax", "nvfp4", "mxfp8", "grouped")
+}
+
+
+def parse(spec: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """'TABLE.KEY=A,B,C[,D];...' -> [(table, key, cfg)], checked against the tables."""
+    entries = []
+    for item in (s.strip() for s in spec.split(";")):
+        if not item:
+            continue
+        target, _, values = item.partition("=")
+        table, _, key = target.partition(".")
+        if table not in TABLES or not key or not values:
+            raise SystemExit(f"--tiles {item!r}: expected TABLE.KEY=BM,BK,WARPS[,MAXNREG] with "
+                             f"TABLE one of {', '.join(TABLES)}")  # fmt: skip
+        try:
+            cfg = tuple(int(v) for v in values.split(","))
+        except ValueError:
+            raise SystemExit(f"--tiles {item!r}: the values must be integers") from None
+        if table == "grouped":
+            fmt, _, kind = key.partition(":")
+            known = TABLES.get(fmt) if fmt in ("nvfp4", "mxfp8") else None
+            if known is None or kind not in known:
+                raise SystemExit(f"--tiles {item!r}: grouped keys are nvfp4:KIND or mxfp8:KIND, "
+                                 f"KIND one of {', '.join(TABLES['nvfp4'])}")  # fmt: skip
+        elif key not in TABLES[table]:
+            raise SystemExit(f"--tiles {item!r}: {table} has {', '.join(TABLES[table])}")
+        lengths = {len(TABLES["amax"][key])} if table == "amax" else {3, 4}
+        if len(cfg) not in lengths:
+            raise SystemExit(f"--tiles {item!r}: {sorted(lengths)} values expected")
+        entries.append((table, key, cfg))
+    return entries
+
+
+def add_arg(parser) -> None:
+    parser.add_argument(
+        "--tiles", default="", metavar="TABLE.KEY=BM,BK,WARPS[,MAXNREG][;...]",
+        help="override launch tiles (benchmarks/tiles.py), e.g. nvfp4.both_dq=64,64,4,128",
+    )  # fmt: skip
+
+
+def apply(args) -> list[tuple[str, str, tuple[int, ...]]]:
+    entries = parse(args.tiles)
+    for table, key, cfg in entries:
+        TABLES[table][key] = cfg
+    return entries
