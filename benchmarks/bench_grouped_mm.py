@@ -356,6 +356,14 @@ def main(argv: list[str] | None = None) -> int:
                         for r in found
                     ]
         harness.print_table(kernels, ["kernel", "M,K,E", "tiles", "us", "GB/s", "pct_copy"])
+        if len(kernel_tiles) > 1:  # the fastest tile of each kernel and shape
+            for key in dict.fromkeys((r["kernel"], r["M,K,E"]) for r in kernels):
+                if "amax" not in key[0]:
+                    fastest = min((r for r in kernels if (r["kernel"], r["M,K,E"]) == key),
+                                  key=lambda r: r["us"])  # fmt: skip
+                    print(
+                        f"fastest {key[0]} ({key[1]}): {fastest['tiles']}, {fastest['us']:.0f} us"
+                    )
     for label, (k, n) in shapes.items():
         for m in tokens:
             for e in experts:

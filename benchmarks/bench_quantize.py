@@ -239,6 +239,8 @@ def sweep(x, device, warmup, reps) -> dict[str, tuple]:
         best[family] = cfg
         set_tiles(family, cfg)
     print("best tiles:", best)
+    spec = ";".join(f"{f.replace(':', '.')}={','.join(map(str, c))}" for f, c in best.items())
+    print(f"as an option for bench_model.py (or any kernel benchmark): --tiles '{spec}'")
     return best
 
 
