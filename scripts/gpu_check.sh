@@ -14,6 +14,10 @@
 #                                      again (more configs since 2026-11-25, and a 128-register
 #                                      cap), then the MoE per-group kernels at each tile and
 #                                      register cap (bench_grouped_mm --kernel-tiles)     (~6 min)
+#   scripts/gpu_check.sh models OUT    bench_model: llama-1b compiled, BF16 / nvfp4 / mxfp8
+#                                      (~4 min; RECIPES=bf16,nvfp4 for fewer); with TILES='...'
+#                                      (a sweep's --tiles line) a second process runs them with
+#                                      those tiles (~8 min: RECIPES=bf16,nvfp4 fits one call)
 #   scripts/gpu_check.sh train OUT     bench_train --compile on small, batch 32: the study's
 #                                      speed and memory per recipe, each alone on the GPU (~2 min a
 #                                      quantized recipe: compiling it; give it two at a time)
@@ -27,7 +31,7 @@ set -uo pipefail
 PYTHON=${PYTHON:-python3}
 part=${1:-}
 out=${2:-}
-[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -71,10 +75,18 @@ sweep)
         --tokens 32768 --experts 8 \
         --kernel-tiles "64,64,4;64,64,4,168;64,64,4,128;64,64,8;32,64,4;32,128,8;32,128,4" \
         --json "$out/grouped_kernel_tiles.json" ;;
+models)
+    recipes=${RECIPES:-bf16,nvfp4,mxfp8}
+    step "$PYTHON" benchmarks/bench_model.py --models llama-1b --compile --recipes "$recipes" \
+        --out "$out/bench_model_llama1b_compiled.json"
+    if [ -n "${TILES:-}" ]; then
+        step "$PYTHON" benchmarks/bench_model.py --models llama-1b --compile --recipes "$recipes" \
+            --tiles "$TILES" --out "$out/bench_model_llama1b_compiled_tiles.json"
+    fi ;;
 train)
     step "$PYTHON" benchmarks/bench_train.py --model small --batch-size 32 --compile \
         --recipes "${RECIPES:-bf16,nvfp4,mxfp8,nvfp4_fwd_mxfp8_bwd}" --json "$out/bench_train.json" ;;
-*) echo "unknown part '$part': tests, kernels, ab, sweep, linear or train" >&2; exit 2 ;;
+*) echo "unknown part '$part': tests, kernels, ab, sweep, linear, models or train" >&2; exit 2 ;;
 esac
 echo "gpu_check $part: exit status $status (log $log)"
 exit "$status"
