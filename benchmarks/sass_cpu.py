@@ -9,7 +9,13 @@ and reports per launch: SASS instructions (and by opcode), registers, spills, sh
 the 32x32 -> 64-bit multiplies, the stochastic rounding hash's multiplies (by mix32's
 constants, two a hashed word), and whether the code loops. `--replaced NAME` compiles code
 that was replaced (benchmarks/replaced.py: the Philox draw, the integer MXFP8 dq), for
-before/after counts.
+before/after counts; `--tiles TABLE.KEY=BM,BK,WARPS[,MAXNREG]` (benchmarks/tiles.py) compiles
+other tiles or a register cap.
+
+The "programs an SM" figure is only what registers and shared memory allow; the estimates below
+cannot see how much more warps an SM buy. Measured on the H100 (2026-11-25 night), kernels
+that went from 2 to 3 or 3 to 4 programs an SM ran 22-29% faster for 9-14% fewer instructions
+(docs/KERNELS.md).
 
 Why: the columnwise, Hadamard and stochastic-rounding kernels are bound by instruction issue,
 not by bytes (docs/KERNELS.md). With no loop, a program runs its code once, so
