@@ -20,16 +20,20 @@ pytest.importorskip("triton")
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "sass_cpu.py"
 
 
-@pytest.fixture(scope="module")
-def rows(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sass") / "sass.json"
+def sass_rows(out: Path, *args: str) -> list[dict]:
+    """sass_cpu.py's rows for a 256x256 input, with `args` (run without TRITON_INTERPRET)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--shape", "256,256", "--json", str(out)],
+        [sys.executable, str(SCRIPT), "--shape", "256,256", *args, "--json", str(out)],
         env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())["rows"]
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    return sass_rows(tmp_path_factory.mktemp("sass") / "sass.json")
 
 
 def test_every_kernel_compiles_for_sm90_without_spills(rows):
@@ -59,15 +63,7 @@ def test_stochastic_rounding_hashes_each_word_once_a_thread(rows):
 def test_the_philox_switch_for_ab_timing_takes_effect(rows, tmp_path):
     """`--replaced sr-philox` (benchmarks/replaced.py) must compile the old Philox draw into
     the kernels, or an A/B timing would compare the hash with itself."""
-    out = tmp_path / "philox.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--shape", "256,256", "--only", "rowwise SR",
-         "--replaced", "sr-philox", "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    (row,) = json.loads(out.read_text())["rows"]
+    (row,) = sass_rows(tmp_path / "philox.json", "--only", "rowwise SR", "--replaced", "sr-philox")
     assert row["hash_multiplies"] == 0
     # Philox4x32-7: seven rounds of two 32x32 -> 64-bit multiplies a draw
     hashed = {r["case"]: r for r in rows}["nvfp4 1x16 rowwise SR + dq"]
@@ -78,15 +74,9 @@ def test_a_register_cap_given_on_the_command_line_reaches_the_compiler(rows, tmp
     """`--tiles TABLE.KEY=BM,BK,WARPS,MAXNREG` (benchmarks/tiles.py) sets a launch's register
     cap, which ptxas honours (spilling if it must): the both-direction SR kernel, 168 registers
     at its default 64x64/4 tile, compiles within 128 with the cap, so 4 programs fit an SM."""
-    out = tmp_path / "capped.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--shape", "256,256", "--only", "both SR",
-         "--tiles", "nvfp4.both_dq=64,64,4,128", "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    (capped,) = json.loads(out.read_text())["rows"]
+    (capped,) = sass_rows(
+        tmp_path / "capped.json", "--only", "both SR", "--tiles", "nvfp4.both_dq=64,64,4,128"
+    )
     default = {r["case"]: r for r in rows}["nvfp4 both SR (grad_output) + dq"]
     assert default["registers"] > 128 and default["programs_per_sm"] < 4, default
     assert capped["registers"] <= 128 and capped["programs_per_sm"] == 4, capped
