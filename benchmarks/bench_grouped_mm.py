@@ -306,9 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     replaced.apply(args)
     tiles.apply(args)
-    kernel_tiles = [cfg for _, _, cfg in tiles.parse(";".join(
-        f"grouped.nvfp4:both_dq={c}" for c in args.kernel_tiles.split(";") if c.strip()
-    ))]  # fmt: skip
+    kernel_tiles = tiles.configs(args.kernel_tiles)
     device = harness.pick_device(args.device)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     args.reps = args.reps if args.reps is not None else (2 if args.quick else 15)

@@ -44,8 +44,6 @@ import tiles as tile_args  # noqa: E402
 from blockscale import kernels  # noqa: E402
 from blockscale.formats import nvfp4 as nvfp4_ref  # noqa: E402
 
-TILE_TABLES = tile_args.TABLES
-
 SHAPE = (16384, 8192)
 QUICK_SHAPE = (128, 256)
 # (BM, BK, warps[, maxnreg]). (32, 128, 4) and (32, 64, 4) give a thread 32 and 16 values of a
@@ -203,12 +201,12 @@ def graphed(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
 
 def set_tiles(family: str, cfg: tuple) -> None:
     group, kind = family.split(":")
-    TILE_TABLES[group][kind] = cfg
+    tile_args.TABLES[group][kind] = cfg
 
 
 def get_tiles(family: str) -> tuple:
     group, kind = family.split(":")
-    return TILE_TABLES[group][kind]
+    return tile_args.TABLES[group][kind]
 
 
 def measure(fn, device, warmup, reps, eager) -> harness.Timing:
@@ -239,8 +237,9 @@ def sweep(x, device, warmup, reps) -> dict[str, tuple]:
         best[family] = cfg
         set_tiles(family, cfg)
     print("best tiles:", best)
-    spec = ";".join(f"{f.replace(':', '.')}={','.join(map(str, c))}" for f, c in best.items())
-    print(f"as an option for bench_model.py (or any kernel benchmark): --tiles '{spec}'")
+    print(
+        f"as an option for bench_model.py (or any kernel benchmark): --tiles '{tile_args.spec(best)}'"
+    )
     return best
 
 

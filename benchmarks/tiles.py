@@ -30,10 +30,6 @@ def parse(spec: str) -> list[tuple[str, str, tuple[int, ...]]]:
         if table not in TABLES or not key or not values:
             raise SystemExit(f"--tiles {item!r}: expected TABLE.KEY=BM,BK,WARPS[,MAXNREG] with "
                              f"TABLE one of {', '.join(TABLES)}")  # fmt: skip
-        try:
-            cfg = tuple(int(v) for v in values.split(","))
-        except ValueError:
-            raise SystemExit(f"--tiles {item!r}: the values must be integers") from None
         if table == "grouped":
             fmt, _, kind = key.partition(":")
             known = TABLES.get(fmt) if fmt in ("nvfp4", "mxfp8") else None
@@ -43,10 +39,28 @@ def parse(spec: str) -> list[tuple[str, str, tuple[int, ...]]]:
         elif key not in TABLES[table]:
             raise SystemExit(f"--tiles {item!r}: {table} has {', '.join(TABLES[table])}")
         lengths = {len(TABLES["amax"][key])} if table == "amax" else {3, 4}
-        if len(cfg) not in lengths:
-            raise SystemExit(f"--tiles {item!r}: {sorted(lengths)} values expected")
-        entries.append((table, key, cfg))
+        entries.append((table, key, _config(values, lengths, f"--tiles {item!r}")))
     return entries
+
+
+def configs(spec: str, option: str = "--kernel-tiles") -> list[tuple[int, ...]]:
+    """'BM,BK,WARPS[,MAXNREG];...' -> quantize tile entries (no table named)."""
+    return [_config(c, {3, 4}, f"{option} {c!r}") for c in spec.split(";") if c.strip()]
+
+
+def spec(entries: dict[str, tuple[int, ...]]) -> str:
+    """{"nvfp4:both_dq": (64, 64, 4), ...} (bench_quantize's families) -> a --tiles value."""
+    return ";".join(f"{k.replace(':', '.')}={','.join(map(str, c))}" for k, c in entries.items())
+
+
+def _config(values: str, lengths: set[int], what: str) -> tuple[int, ...]:
+    try:
+        cfg = tuple(int(v) for v in values.split(","))
+    except ValueError:
+        raise SystemExit(f"{what}: the values must be integers") from None
+    if len(cfg) not in lengths:
+        raise SystemExit(f"{what}: {sorted(lengths)} values expected")
+    return cfg
 
 
 def add_arg(parser) -> None:

@@ -104,3 +104,17 @@ def test_tile_overrides_refuse_what_no_launcher_reads(spec):
         ("grouped", "nvfp4:both_dq", (32, 64, 4, 168)),
         ("mxfp8", "col", (64, 64, 4)),
     ]
+
+
+def test_a_sweeps_winners_print_as_a_tiles_option_that_parses_back():
+    sys.path.insert(0, str(SCRIPT.parent))
+    import tiles  # noqa: PLC0415 (benchmarks/tiles.py)
+
+    best = {"nvfp4:both_dq": (64, 64, 4, 128), "amax:hadamard": (32, 128, 4, 16)}
+    assert tiles.parse(tiles.spec(best)) == [
+        ("nvfp4", "both_dq", (64, 64, 4, 128)),
+        ("amax", "hadamard", (32, 128, 4, 16)),
+    ]
+    assert tiles.configs("64,64,4;32,64,4,168") == [(64, 64, 4), (32, 64, 4, 168)]
+    with pytest.raises(SystemExit, match="--kernel-tiles"):
+        tiles.configs("64,64")
