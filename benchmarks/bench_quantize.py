@@ -222,7 +222,12 @@ def sweep(x, device, warmup, reps) -> dict[str, tuple]:
         if family == "-" or family in seen or family in SETTLED:
             continue
         seen.add(family)
-        options = AMAX_SWEEP if family.startswith("amax") else SWEEP
+        # the default first, always: a sweep whose list lacks it could "win" with a slower tile
+        # (2026-11-25 late: amax:hadamard's default was not in AMAX_SWEEP)
+        default = get_tiles(family)
+        options = [default] + [
+            c for c in (AMAX_SWEEP if family.startswith("amax") else SWEEP) if c != default
+        ]
         results = []
         for cfg in options:
             set_tiles(family, cfg)
