@@ -13,6 +13,10 @@ largest value (the two differ only in the order of FP32 additions).
 
     python benchmarks/bench_gemm.py --json results/bench_gemm_h100.json
     python benchmarks/bench_gemm.py --shapes 16384,4096,4096 --configs 128,256,64,8,8,3,1,0
+
+`--fp32-grad-weight` times grad_weight again with an FP32 output, as FP32 master weights get it
+(ops/linear.py): cuBLAS's FP32 product scaled in place ("cublas_ep") against the fused kernel
+at `--fp32-configs` (default: kernels.gemm.FP32_OUT_CONFIG and a few others).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import harness  # noqa: E402
 
 from blockscale import kernels  # noqa: E402
 from blockscale.gemm import emulated  # noqa: E402
-from blockscale.kernels.gemm import DEFAULT_CONFIG, gemm_fused  # noqa: E402
+from blockscale.kernels.gemm import DEFAULT_CONFIG, FP32_OUT_CONFIG, gemm_fused  # noqa: E402
 
 # (BM, BN, BK, GROUP_M, num_warps, num_stages, flatten, warp_specialize)
 CONFIGS = [
@@ -43,25 +47,37 @@ CONFIGS = [
     (128, 256, 64, 8, 8, 3, 0, 1),
     (128, 128, 64, 8, 4, 4, 0, 1),
 ]
+FP32_CONFIGS = [
+    FP32_OUT_CONFIG,
+    (128, 128, 64, 8, 8, 3, 1, 0),
+    (128, 128, 64, 8, 4, 4, 1, 0),
+    (64, 256, 64, 8, 4, 3, 1, 0),
+    (128, 128, 64, 8, 8, 4, 0, 0),
+    (128, 128, 64, 8, 8, 3, 0, 1),
+]
 SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096)]
 QUICK_SHAPES = [(256, 128, 256)]
 QUICK_CONFIGS = [(64, 64, 32, 4, 4, 2, 1, 0)]
 
 
-def gemms(m: int, k: int, n: int, device: torch.device) -> list[tuple[str, Any, Any]]:
+def gemms(
+    m: int, k: int, n: int, device: torch.device, fp32_grad_weight: bool = False
+) -> list[tuple[str, Any, Any]]:
     """(name, a [rows, contraction], b [cols, contraction] view) for the step's three GEMMs,
-    laid out as the emulated backend gets them."""
+    laid out as the emulated backend gets them (and grad_weight again, "grad_weight_fp32", for
+    an FP32 output)."""
     bf = torch.bfloat16 if device.type == "cuda" else torch.float32
     x = torch.randn(m, k, device=device, dtype=bf)
     w = torch.randn(n, k, device=device, dtype=bf)
     go = torch.randn(m, n, device=device, dtype=bf)
     x_t = torch.randn(k, m, device=device, dtype=bf)
     go_t = torch.randn(n, m, device=device, dtype=bf)
-    return [
+    rows = [
         (f"output {m}x{k}x{n}", x, w),
         (f"grad_input {m}x{n}x{k}", go, w.t()),
         (f"grad_weight {n}x{m}x{k}", go_t, x_t),
     ]
+    return rows + ([(f"grad_weight_fp32 {n}x{m}x{k}", go_t, x_t)] if fp32_grad_weight else [])
 
 
 def parse_configs(values: list[str] | None, quick: bool) -> list[tuple[int, ...]]:
@@ -74,30 +90,47 @@ def main(argv: list[str] | None = None) -> int:
     parser = harness.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     parser.add_argument("--shapes", nargs="+", default=None, help="step shapes M,K,N")
     parser.add_argument("--configs", nargs="+", default=None, help="8 ints each (see CONFIGS)")
+    parser.add_argument(
+        "--fp32-grad-weight",
+        action="store_true",
+        help="also grad_weight with an FP32 output (FP32 master weights)",
+    )
+    parser.add_argument("--fp32-configs", nargs="+", default=None,
+                        help="8 ints each, for the FP32 rows (default FP32_CONFIGS)")  # fmt: skip
     args = parser.parse_args(argv)
     device = harness.pick_device(args.device)
     shapes = QUICK_SHAPES if args.quick else SHAPES
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
     configs = parse_configs(args.configs, args.quick)
+    fp32_configs = (
+        parse_configs(args.fp32_configs, args.quick) if args.fp32_configs or args.quick
+        else FP32_CONFIGS
+    )  # fmt: skip
     reps = args.reps or (3 if args.quick else 20)
     warmup = args.warmup or (1 if args.quick else 3)
     info = harness.banner(device)
     amax = (torch.tensor(3.0, device=device), torch.tensor(5.0, device=device))
     rows: list[dict[str, Any]] = []
     for m, k, n in shapes:
-        for name, a, b in gemms(m, k, n, device):
+        for name, a, b in gemms(m, k, n, device, args.fp32_grad_weight):
             flops = 2 * a.shape[0] * b.shape[0] * a.shape[1]
+            fp32 = name.startswith("grad_weight_fp32")
+            out_dtype = torch.float32 if fp32 else torch.bfloat16
 
-            def current(a=a, b=b):
-                return kernels.gemm_epilogue(emulated.mm_fp32_accumulate(a, b), amax)
+            def current(a=a, b=b, fp32=fp32):
+                acc = emulated.mm_fp32_accumulate(a, b)
+                # an FP32 output is the accumulator, scaled in place (gemm/dispatch.py)
+                return kernels.gemm_epilogue(acc, amax, out=acc if fp32 else None)
 
             variants = {"cublas_ep": current}
-            if device.type == "cuda":
+            if device.type == "cuda" and not fp32:
                 variants = {"cublas_bf16_no_alpha": lambda a=a, b=b: a @ b.t(), **variants}
-            for cfg in configs:
-                variants[f"fused {','.join(map(str, cfg))}"] = lambda a=a, b=b, cfg=cfg: gemm_fused(
-                    a, b, amax, config=cfg
+            for cfg in fp32_configs if fp32 else configs:
+                variants[f"fused {','.join(map(str, cfg))}"] = (
+                    lambda a=a, b=b, cfg=cfg, dt=out_dtype: gemm_fused(
+                        a, b, amax, out_dtype=dt, config=cfg
+                    )
                 )
             want = current().float()
             base = None

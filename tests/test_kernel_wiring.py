@@ -69,9 +69,14 @@ def test_kernel_path_equals_reference_path(name, tokens, monkeypatch):
         torch.testing.assert_close(got, want, atol=0, rtol=0, msg=f"{name}: {what} differs")
 
 
+@pytest.mark.parametrize("fused_fp32", [False, True], ids=["fp32-cublas", "fp32-fused"])
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp8"])
-def test_fused_gemm_in_the_step_matches_the_reference_path(name, monkeypatch):
+def test_fused_gemm_in_the_step_matches_the_reference_path(name, fused_fp32, monkeypatch):
+    """The step's BF16-output GEMMs run the fused kernel; its FP32 grad_weight (FP32 weights)
+    runs it only with FUSED_FP32_OUT, and cuBLAS's product scaled in place otherwise."""
     from blockscale.kernels import gemm
+
+    monkeypatch.setattr(dispatch, "FUSED_FP32_OUT", fused_fp32)
 
     shapes = []
     real = gemm._gemm_fused
@@ -84,7 +89,8 @@ def test_fused_gemm_in_the_step_matches_the_reference_path(name, monkeypatch):
     reference, kernel = _reference_and_kernel_steps(name, 40, monkeypatch)
     # output, grad_input, grad_weight (40 tokens padded to the block for grad_weight's operands)
     t = {"nvfp4": 48, "mxfp8": 64}[name]
-    assert shapes == [((40, 64), (96, 64)), ((40, 96), (64, 96)), ((96, t), (64, t))]
+    fused = [((40, 64), (96, 64)), ((40, 96), (64, 96))]
+    assert shapes == fused + ([((96, t), (64, t))] if fused_fp32 else [])
     # the same products; only the FP32 summation order may differ (one BF16 step at most)
     for got, want, what in zip(kernel, reference, ("output", "grad_input", "grad_weight")):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=2**-7, msg=f"{name}: {what}")

@@ -87,17 +87,23 @@ def test_fused_gemm_default_config_and_one_tile_shapes():
         same_bits(gemm.gemm_fused(a, b), reference(a, b, None, None, torch.bfloat16))
 
 
-def test_config_for_picks_the_warp_specialized_tiles_only_for_long_contractions():
+def test_config_for_picks_warp_specialized_tiles_for_long_contractions_and_narrow_gemms():
     assert gemm.config_for(16384, 4096, 4096) == gemm.DEFAULT_CONFIG
     assert gemm.config_for(16384, 4096, 14336) == gemm.LONG_K_CONFIG
     assert gemm.config_for(4096, 4096, 16384) == gemm.DEFAULT_CONFIG  # grad_weight
     assert gemm.config_for(4096, 4096, 16384, torch.float32) == gemm.FP32_OUT_CONFIG
+    # the key / value projections of a Llama with 8 KV heads of 64: N or K of 512
+    assert gemm.config_for(16384, 512, 2048) == gemm.NARROW_CONFIG
+    assert gemm.config_for(16384, 2048, 512) == gemm.NARROW_CONFIG
+    assert gemm.config_for(512, 2048, 16384) == gemm.DEFAULT_CONFIG
+    assert gemm.config_for(16384, 1024, 4096) == gemm.DEFAULT_CONFIG
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_chosen_configs_fit_in_shared_memory(out_dtype):
     # (an FP32 output tile of DEFAULT_CONFIG's size did not fit: OutOfResources on an H100)
-    for mnk in [(16384, 4096, 4096), (16384, 4096, 14336), (4096, 4096, 16384), (64, 64, 64)]:
+    for mnk in [(16384, 4096, 4096), (16384, 4096, 14336), (4096, 4096, 16384), (16384, 2048, 512),
+                (64, 64, 64)]:  # fmt: skip
         config = gemm.config_for(*mnk, out_dtype)
         assert gemm.shared_memory_bytes(config, out_dtype) <= gemm.SHARED_MEMORY_BYTES
     assert gemm.shared_memory_bytes(gemm.DEFAULT_CONFIG, torch.float32) > gemm.SHARED_MEMORY_BYTES

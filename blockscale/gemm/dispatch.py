@@ -10,7 +10,8 @@ Backends (`Backend`, also a field of every recipe):
   FP32 accumulator, and the result is cast once. On CUDA the quantization kernels write the
   `_dq` operands in the pass that quantizes, and one Triton kernel runs the GEMM with alpha,
   bias and the cast applied in registers (kernels/gemm.py; FUSED_GEMM), so the only memory
-  pass beyond the GEMM is each `_dq` operand's write. Elsewhere (CPU) alpha, bias and the
+  pass beyond the GEMM is each `_dq` operand's write. An FP32 output (grad_weight of FP32
+  master weights) is cuBLAS's FP32 product, scaled in place (FUSED_FP32_OUT says why). Elsewhere (CPU) alpha, bias and the
   cast are PyTorch ops on the FP32 accumulator.
 - `native`: Blackwell tensor cores through `torch.nn.functional.scaled_mm` (gemm/native.py).
   Unverified: see that module.
@@ -47,6 +48,13 @@ ACC_CHUNK_BYTES = 256 * 2**20
 # On CUDA, run the GEMM and its epilogue as one Triton kernel (kernels/gemm.py) wherever TMA
 # can read the operands; False: cuBLAS with an FP32 output, then the epilogue kernel.
 FUSED_GEMM = True
+
+# An FP32 output (grad_weight of FP32 master weights) is cuBLAS's FP32 product itself, scaled in
+# place by the epilogue kernel (NVFP4's alpha; nothing to do for MXFP8), not the fused kernel:
+# at every grad_weight of the Llama 1B and 8B shapes on an H100 (2026-11-25 late,
+# `bench_gemm.py --fp32-grad-weight`, docs/KERNELS.md) the fused kernel's FP32 tiles ran 3-62%
+# slower than that, and the accumulator costs no memory there, being the output. True: fused.
+FUSED_FP32_OUT = False
 
 
 class Backend(StrEnum):
@@ -216,6 +224,16 @@ def _gemm(
     argument made AOTAutograd wrap every call in auto_functionalized and Inductor reinplace
     and decompose it again: about 25 ms of compile time per linear on a CPU host;
     docs/LOG.md, 2026-11-25.)"""
+    if out_dtype == torch.float32 and not FUSED_FP32_OUT:
+        # cuBLAS's FP32 product is the output, scaled in place (inside this op, so a compiled
+        # graph still holds one functional node)
+        from blockscale.kernels import gemm_epilogue  # noqa: PLC0415 (Triton is optional)
+
+        acc = emulated.mm_fp32_accumulate(a_dq, b_dq)
+        if amax_a is None and bias is None:
+            return acc
+        amax = None if amax_a is None else (amax_a, amax_b)
+        return gemm_epilogue(acc, amax, bias, out=acc)
     out = torch.empty(a_dq.shape[0], b_dq.shape[0], dtype=out_dtype, device=a_dq.device)
     _gemm_into(a_dq, b_dq, amax_a, amax_b, bias, out)
     return out

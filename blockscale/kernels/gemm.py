@@ -43,6 +43,12 @@ LONG_K_CONFIG = (128, 256, 64, 8, 8, 3, 0, 1)
 # An FP32 output tile (grad_weight of FP32 master weights) is twice the shared memory of a
 # BF16 one: 128 x 256 with 3 stages would need 272 KiB, past Hopper's 227 KiB per block.
 FP32_OUT_CONFIG = (128, 128, 64, 8, 8, 4, 1, 0)
+# Where the output has at most 512 columns or the contraction is at most 512 long (the key and
+# value projections of a Llama with 8 KV heads of 64: N = 512 forward, K = 512 in grad_input),
+# smaller warp-specialized tiles: 16384 x 2048 -> 512 took 100-149 us against 126-197 us with
+# DEFAULT_CONFIG on two H100s, and 16384 x 512 -> 2048 102-116 against 102-155
+# (2026-11-25 late, bench_gemm.py).
+NARROW_CONFIG = (128, 128, 64, 8, 8, 4, 0, 1)
 SHARED_MEMORY_BYTES = 227 * 1024  # per thread block on H100 (and B200)
 # BF16 `_dq` operands on the GPU; FP32 ones (exact products in IEEE FP32) are what the CPU
 # path builds, and what the interpreter runs in the tests.
@@ -132,6 +138,8 @@ def config_for(m: int, n: int, k: int, out_dtype: torch.dtype = torch.bfloat16) 
     """The tile config for out [m, n] contracting k (measured choices, see the constants)."""
     if out_dtype == torch.float32:
         return FP32_OUT_CONFIG
+    if min(n, k) <= 512:
+        return NARROW_CONFIG
     return LONG_K_CONFIG if k >= 8192 and m >= 16384 else DEFAULT_CONFIG
 
 
