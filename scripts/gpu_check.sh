@@ -17,7 +17,8 @@
 #   scripts/gpu_check.sh models OUT    bench_model: llama-1b compiled, BF16 / nvfp4 / mxfp8
 #                                      (~4 min; RECIPES=bf16,nvfp4 for fewer); with TILES='...'
 #                                      (a sweep's --tiles line) a second process runs them with
-#                                      those tiles (~8 min: RECIPES=bf16,nvfp4 fits one call)
+#                                      those tiles (~8 min with all three recipes);
+#                                      MODEL=llama-8b BATCH=4 for the 8B shape (~5 min)
 #   scripts/gpu_check.sh train OUT     bench_train --compile on small, batch 32: the study's
 #                                      speed and memory per recipe, each alone on the GPU (~2 min a
 #                                      quantized recipe: compiling it; give it two at a time)
@@ -31,7 +32,7 @@ set -uo pipefail
 PYTHON=${PYTHON:-python3}
 part=${1:-}
 out=${2:-}
-[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -77,11 +78,12 @@ sweep)
         --json "$out/grouped_kernel_tiles.json" ;;
 models)
     recipes=${RECIPES:-bf16,nvfp4,mxfp8}
-    step "$PYTHON" benchmarks/bench_model.py --models llama-1b --compile --recipes "$recipes" \
-        --out "$out/bench_model_llama1b_compiled.json"
+    model=${MODEL:-llama-1b}
+    args=(--models "$model" --compile --recipes "$recipes" --batch-size "${BATCH:-8}")
+    step "$PYTHON" benchmarks/bench_model.py "${args[@]}" --out "$out/bench_model_${model}_compiled.json"
     if [ -n "${TILES:-}" ]; then
-        step "$PYTHON" benchmarks/bench_model.py --models llama-1b --compile --recipes "$recipes" \
-            --tiles "$TILES" --out "$out/bench_model_llama1b_compiled_tiles.json"
+        step "$PYTHON" benchmarks/bench_model.py "${args[@]}" --tiles "$TILES" \
+            --out "$out/bench_model_${model}_compiled_tiles.json"
     fi ;;
 train)
     step "$PYTHON" benchmarks/bench_train.py --model small --batch-size 32 --compile \
