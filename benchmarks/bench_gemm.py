@@ -14,6 +14,10 @@ largest value (the two differ only in the order of FP32 additions).
     python benchmarks/bench_gemm.py --json results/bench_gemm_h100.json
     python benchmarks/bench_gemm.py --shapes 16384,4096,4096 --configs 128,256,64,8,8,3,1,0
 
+On the GPU, "cublas_bf16_exact" is cuBLAS with a BF16 output and its split-K partial sums reduced in
+FP32 (gemm/dispatch.py, CUBLAS_BF16_OUT): exact for MXFP8, which has no alpha (this benchmark's
+reference applies an NVFP4 alpha, so its difference column is that alpha's).
+
 `--fp32-grad-weight` times grad_weight again with an FP32 output, as FP32 master weights get it
 (ops/linear.py): cuBLAS's FP32 product scaled in place ("cublas_ep") against the fused kernel
 at `--fp32-configs` (default: kernels.gemm.FP32_OUT_CONFIG and a few others).
@@ -33,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from
 import harness  # noqa: E402
 
 from blockscale import kernels  # noqa: E402
-from blockscale.gemm import emulated  # noqa: E402
+from blockscale.gemm import dispatch, emulated  # noqa: E402
 from blockscale.kernels.gemm import DEFAULT_CONFIG, FP32_OUT_CONFIG, gemm_fused  # noqa: E402
 
 # (BM, BN, BK, GROUP_M, num_warps, num_stages, flatten, warp_specialize)
@@ -78,6 +82,12 @@ def gemms(
         (f"grad_weight {n}x{m}x{k}", go_t, x_t),
     ]
     return rows + ([(f"grad_weight_fp32 {n}x{m}x{k}", go_t, x_t)] if fp32_grad_weight else [])
+
+
+def cublas_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
+    assert dispatch._cublas_bf16(a, b, out)
+    return out
 
 
 def parse_configs(values: list[str] | None, quick: bool) -> list[tuple[int, ...]]:
@@ -125,7 +135,11 @@ def main(argv: list[str] | None = None) -> int:
 
             variants = {"cublas_ep": current}
             if device.type == "cuda" and not fp32:
+                # (with `allow_bf16_reduced_precision_reduction` as it is: on by default)
                 variants = {"cublas_bf16_no_alpha": lambda a=a, b=b: a @ b.t(), **variants}
+                # cast(acc) exactly, split-K reduced in FP32: what MXFP8 can use
+                # (gemm/dispatch.py, CUBLAS_BF16_OUT)
+                variants["cublas_bf16_exact"] = lambda a=a, b=b: cublas_bf16(a, b)
             for cfg in fp32_configs if fp32 else configs:
                 variants[f"fused {','.join(map(str, cfg))}"] = (
                     lambda a=a, b=b, cfg=cfg, dt=out_dtype: gemm_fused(

@@ -469,6 +469,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-recompute-weight", action="store_true",
                         help="save each weight's packed dgrad copy for backward (ops/linear.py's "
                              "RECOMPUTE_WEIGHT off) instead of quantizing it again there")  # fmt: skip
+    parser.add_argument("--cublas-bf16-out", action="store_true",
+                        help="BF16 GEMM outputs without alpha or bias (MXFP8) from cuBLAS with FP32 "
+                             "split-K reduction, not the fused kernel (gemm/dispatch.py's "
+                             "CUBLAS_BF16_OUT)")  # fmt: skip
     replaced.add_arg(parser)
     tiles.add_arg(parser)
     parser.add_argument("--device", default=None)
@@ -497,6 +501,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ops_linear = importlib.import_module("blockscale.ops.linear")
     ops_linear.SHARE_INPUT_QUANTIZATION = not args.no_shared_input
     ops_linear.RECOMPUTE_WEIGHT = not args.no_recompute_weight
+    importlib.import_module("blockscale.gemm.dispatch").CUBLAS_BF16_OUT = args.cublas_bf16_out
     replaced.apply(args)  # (for the rest of this process)
     tiles.apply(args)
     info = harness.banner(device)
@@ -517,6 +522,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                               "inline_triton": args.inline_triton,
                               "shared_input": not args.no_shared_input,
                               "recompute_weight": not args.no_recompute_weight,
+                              "cublas_bf16_out": args.cublas_bf16_out,
                               "replaced": args.replaced, "tiles": args.tiles,
                               "compile_mode": args.compile_mode, "rows": rows}  # fmt: skip
                     harness.write_json(args.out, record)

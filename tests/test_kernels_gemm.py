@@ -169,3 +169,31 @@ def test_gpu_fused_gemm_matches_cublas_on_random_data(m, k, n, b_layout, out_dty
         assert (got != want).float().mean().item() < 1e-3
     else:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (cuBLAS)")
+@pytest.mark.parametrize(
+    "m, k, n",
+    [
+        (16384, 2048, 512),  # the 1B key / value projections
+        (16384, 512, 2048),  # their grad_input
+        (256, 16384, 256),  # a long contraction with few output tiles: cuBLAS may split K
+        (64, 12288, 96),
+    ],
+)
+def test_gpu_cublas_bf16_route_rounds_once(m, k, n, monkeypatch):
+    """CUBLAS_BF16_OUT: an MXFP8 GEMM (no alpha, no bias) with a BF16 output from cuBLAS must
+    be cast(acc) rounded once. With dyadic operands every FP32 partial sum is exact, so a
+    split-K reduction in BF16 (a second rounding) would show as a difference."""
+    from blockscale.gemm import dispatch, emulated
+
+    a, b = operands(m, k, n, "k-major", seed=3)
+    monkeypatch.setattr(dispatch, "CUBLAS_BF16_OUT", True)
+    fused_calls = []
+    monkeypatch.setattr(gemm, "gemm_fused", lambda *a, **k: fused_calls.append(1))
+    reduced = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    got = dispatch._gemm(a, b, None, None, None, torch.bfloat16)
+    assert not fused_calls
+    assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction == reduced
+    exact(got, emulated.mm_fp32_accumulate(a, b).bfloat16())

@@ -49,6 +49,14 @@ ACC_CHUNK_BYTES = 256 * 2**20
 # can read the operands; False: cuBLAS with an FP32 output, then the epilogue kernel.
 FUSED_GEMM = True
 
+# Without alpha or bias (MXFP8, and the MXFP8 backward of nvfp4_fwd_mxfp8_bwd), a BF16 output
+# is cast(acc) alone, which cuBLAS's BF16 GEMM computes when its split-K partial sums are
+# reduced in FP32 (`allow_bf16_reduced_precision_reduction` off during the call: reduced in
+# BF16 they would be rounded twice). Off by default until timed in a model: alone, cuBLAS ran
+# the Llama-1B shapes' BF16 GEMMs 3-66% faster than the fused kernel (2026-11-25 late,
+# bench_gemm.py, "cublas_bf16_no_alpha"; docs/KERNELS.md).
+CUBLAS_BF16_OUT = False
+
 # An FP32 output (grad_weight of FP32 master weights) is cuBLAS's FP32 product itself, scaled in
 # place by the epilogue kernel (NVFP4's alpha; nothing to do for MXFP8), not the fused kernel:
 # at every grad_weight of the Llama 1B and 8B shapes on an H100 (2026-11-25 late,
@@ -262,6 +270,8 @@ def _gemm_into(
     from blockscale.kernels import gemm_epilogue  # noqa: PLC0415
 
     amax = None if amax_a is None else (amax_a, amax_b)
+    if CUBLAS_BF16_OUT and amax is None and bias is None and _cublas_bf16(a_dq, b_dq, out):
+        return
     if FUSED_GEMM and fused.supported(a_dq, b_dq, out):
         fused.gemm_fused(a_dq, b_dq, amax, bias, out=out)
         return
@@ -270,6 +280,21 @@ def _gemm_into(
     for r0 in range(0, m, rows):
         acc = emulated.mm_fp32_accumulate(a_dq[r0 : r0 + rows], b_dq)
         gemm_epilogue(acc, amax, bias, out=out[r0 : r0 + rows])
+
+
+def _cublas_bf16(a_dq: torch.Tensor, b_dq: torch.Tensor, out: torch.Tensor) -> bool:
+    """out = cast(a_dq @ b_dq.T) by cuBLAS with a BF16 output and FP32 split-K reduction, for
+    CUDA BF16 operands and output; False (nothing written) for anything else."""
+    if not (a_dq.is_cuda and out.dtype == a_dq.dtype == b_dq.dtype == torch.bfloat16):
+        return False
+    matmul = torch.backends.cuda.matmul
+    reduced = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        torch.mm(a_dq, b_dq.t(), out=out)
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = reduced
+    return True
 
 
 def _native(
