@@ -53,7 +53,7 @@ FUSED_GEMM = True
 # is cast(acc) alone, which cuBLAS's BF16 GEMM computes when its split-K partial sums are
 # reduced in FP32 (`allow_bf16_reduced_precision_reduction` off during the call: reduced in
 # BF16 they would be rounded twice). Off by default until timed in a model: alone, cuBLAS ran
-# the Llama-1B shapes' BF16 GEMMs 3-66% faster than the fused kernel (2026-11-25 late,
+# the Llama-1B shapes' BF16 GEMMs in 2-66% less time than the fused kernel (2026-11-25 late,
 # bench_gemm.py, "cublas_bf16_no_alpha"; docs/KERNELS.md).
 CUBLAS_BF16_OUT = False
 
