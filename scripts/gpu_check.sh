@@ -19,6 +19,9 @@
 #                                      (a sweep's --tiles line) a second process runs them with
 #                                      those tiles (~8 min with all three recipes);
 #                                      MODEL=llama-8b BATCH=4 for the 8B shape (~5 min)
+#   scripts/gpu_check.sh cublas OUT    the MXFP8 cuBLAS route (gemm/dispatch.py, CUBLAS_BF16_OUT,
+#                                      off): its GPU test, then llama-1b compiled BF16 / mxfp8
+#                                      without and with it, two processes (~5 min)
 #   scripts/gpu_check.sh train OUT     bench_train --compile on small, batch 32: the study's
 #                                      speed and memory per recipe, each alone on the GPU (~2 min a
 #                                      quantized recipe: compiling it; give it two at a time)
@@ -32,7 +35,7 @@ set -uo pipefail
 PYTHON=${PYTHON:-python3}
 part=${1:-}
 out=${2:-}
-[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -85,10 +88,17 @@ models)
         step "$PYTHON" benchmarks/bench_model.py "${args[@]}" --tiles "$TILES" \
             --out "$out/bench_model_${model}_compiled_tiles.json"
     fi ;;
+cublas)
+    step "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gemm.py -k cublas_bf16
+    args=(--models llama-1b --compile --recipes bf16,mxfp8)
+    step "$PYTHON" benchmarks/bench_model.py "${args[@]}" --out "$out/bench_model_llama1b_mxfp8.json"
+    step "$PYTHON" benchmarks/bench_model.py "${args[@]}" --cublas-bf16-out \
+        --out "$out/bench_model_llama1b_mxfp8_cublas.json" ;;
 train)
     step "$PYTHON" benchmarks/bench_train.py --model small --batch-size 32 --compile \
         --recipes "${RECIPES:-bf16,nvfp4,mxfp8,nvfp4_fwd_mxfp8_bwd}" --json "$out/bench_train.json" ;;
-*) echo "unknown part '$part': tests, kernels, ab, sweep, linear, models or train" >&2; exit 2 ;;
+*) echo "unknown part '$part': tests, kernels, ab, sweep, linear, models, cublas or train" >&2
+   exit 2 ;;
 esac
 echo "gpu_check $part: exit status $status (log $log)"
 exit "$status"
