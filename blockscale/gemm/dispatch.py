@@ -11,8 +11,8 @@ Backends (`Backend`, also a field of every recipe):
   `_dq` operands in the pass that quantizes, and one Triton kernel runs the GEMM with alpha,
   bias and the cast applied in registers (kernels/gemm.py; FUSED_GEMM), so the only memory
   pass beyond the GEMM is each `_dq` operand's write. An FP32 output (grad_weight of FP32
-  master weights) is cuBLAS's FP32 product, scaled in place (FUSED_FP32_OUT says why). Elsewhere (CPU) alpha, bias and the
-  cast are PyTorch ops on the FP32 accumulator.
+  master weights) is cuBLAS's FP32 product, scaled in place (FUSED_FP32_OUT says why).
+  Elsewhere (CPU) alpha, bias and the cast are PyTorch ops on the FP32 accumulator.
 - `native`: Blackwell tensor cores through `torch.nn.functional.scaled_mm` (gemm/native.py).
   Unverified: see that module.
 - `auto` resolves to native on a device with compute capability >= 10.0 and a PyTorch that
