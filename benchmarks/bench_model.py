@@ -470,9 +470,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="save each weight's packed dgrad copy for backward (ops/linear.py's "
                              "RECOMPUTE_WEIGHT off) instead of quantizing it again there")  # fmt: skip
     parser.add_argument("--cublas-bf16-out", action="store_true",
-                        help="BF16 GEMM outputs without alpha or bias (MXFP8) from cuBLAS with FP32 "
-                             "split-K reduction, not the fused kernel (gemm/dispatch.py's "
-                             "CUBLAS_BF16_OUT)")  # fmt: skip
+                        help="BF16 GEMM outputs without alpha or bias (MXFP8) from cuBLAS with "
+                             "FP32 split-K reduction, not the fused kernel "
+                             "(gemm/dispatch.py's CUBLAS_BF16_OUT)")  # fmt: skip
     replaced.add_arg(parser)
     tiles.add_arg(parser)
     parser.add_argument("--device", default=None)

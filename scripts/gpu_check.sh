@@ -83,7 +83,8 @@ models)
     recipes=${RECIPES:-bf16,nvfp4,mxfp8}
     model=${MODEL:-llama-1b}
     args=(--models "$model" --compile --recipes "$recipes" --batch-size "${BATCH:-8}")
-    step "$PYTHON" benchmarks/bench_model.py "${args[@]}" --out "$out/bench_model_${model}_compiled.json"
+    step "$PYTHON" benchmarks/bench_model.py "${args[@]}" \
+        --out "$out/bench_model_${model}_compiled.json"
     if [ -n "${TILES:-}" ]; then
         step "$PYTHON" benchmarks/bench_model.py "${args[@]}" --tiles "$TILES" \
             --out "$out/bench_model_${model}_compiled_tiles.json"
