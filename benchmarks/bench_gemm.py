@@ -90,9 +90,11 @@ def cublas_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def parse_configs(values: list[str] | None, quick: bool) -> list[tuple[int, ...]]:
+def parse_configs(
+    values: list[str] | None, quick: bool, default: list[tuple[int, ...]] = CONFIGS
+) -> list[tuple[int, ...]]:
     if not values:
-        return QUICK_CONFIGS if quick else CONFIGS
+        return QUICK_CONFIGS if quick else default
     return [tuple(int(v) for v in s.split(",")) for s in values]
 
 
@@ -113,10 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
     configs = parse_configs(args.configs, args.quick)
-    fp32_configs = (
-        parse_configs(args.fp32_configs, args.quick) if args.fp32_configs or args.quick
-        else FP32_CONFIGS
-    )  # fmt: skip
+    fp32_configs = parse_configs(args.fp32_configs, args.quick, FP32_CONFIGS)
     reps = args.reps or (3 if args.quick else 20)
     warmup = args.warmup or (1 if args.quick else 3)
     info = harness.banner(device)

@@ -51,7 +51,8 @@ QUICK_SHAPE = (128, 256)
 # (32, 128, 4) issues ~20% fewer instructions a value than at its (32, 128, 8) with no spill and
 # the same warps an SM (docs/LOG.md, 2026-11-25 evening). The last caps 64x64/4 at 128
 # registers: 4 programs an SM where the both-direction kernels (162-168 registers) fit 3, for
-# some spill (docs/LOG.md, 2026-11-25 night). Untimed until a GPU sweep.
+# some spill (docs/LOG.md, 2026-11-25 night). Timed 2026-11-25 late (docs/KERNELS.md): the
+# winners are the launchers' defaults.
 SWEEP = [(64, 128, 8), (32, 128, 8), (64, 64, 4), (64, 64, 8), (32, 128, 4), (32, 64, 4),
          (64, 64, 4, 128)]  # fmt: skip
 # Families whose tiles an earlier sweep settled (docs/LOG.md): not swept again by default.

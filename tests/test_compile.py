@@ -211,8 +211,8 @@ def test_kernel_path_compiles_to_opaque_ops_with_eager_bits(
         targets.extend(str(n.target) for n in graph.nodes if n.op == "call_function")
 
     recipe = recipes.get("nvfp4", stochastic_rounding=False)
-    # Unfused, FP32 outputs take the epilogue op in place on the accumulator (out is acc):
-    # a mutating op whose output aliases its input, functionalized as one op.
+    # Fused or not, the GEMMs are opaque emulated_gemm ops (an FP32 output, grad_weight of the
+    # FP32 weights, is cuBLAS's accumulator scaled in place inside the op).
     monkeypatch.setattr(dispatch, "FUSED_GEMM", fused_gemm)
     torch.manual_seed(0)
     model = bsnn.convert(MLP(), recipe)

@@ -61,7 +61,8 @@ CUBLAS_BF16_OUT = False
 # place by the epilogue kernel (NVFP4's alpha; nothing to do for MXFP8), not the fused kernel:
 # at every grad_weight of the Llama 1B and 8B shapes on an H100 (2026-11-25 late,
 # `bench_gemm.py --fp32-grad-weight`, docs/KERNELS.md) the fused kernel's FP32 tiles ran 3-62%
-# slower than that, and the accumulator costs no memory there, being the output. True: fused.
+# slower than that, and the accumulator costs no memory there, being the output. True (with
+# FUSED_GEMM): the fused kernel.
 FUSED_FP32_OUT = False
 
 
@@ -207,12 +208,6 @@ def _emulated_fused(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The kernel path (CUDA, or Triton's interpreter in tests): `_gemm` into a new output."""
-    if out_dtype == torch.float32 and not FUSED_GEMM:
-        # the accumulator is the output: scale it in place (no second FP32 tensor)
-        from blockscale.kernels import gemm_epilogue  # noqa: PLC0415 (Triton is optional)
-
-        acc = emulated.mm_fp32_accumulate(a_dq, b_dq)
-        return acc if amax is None and bias is None else gemm_epilogue(acc, amax, bias, out=acc)
     amax_a, amax_b = amax if amax is not None else (None, None)
     return _gemm(a_dq, b_dq, amax_a, amax_b, bias, out_dtype)
 
@@ -232,9 +227,9 @@ def _gemm(
     argument made AOTAutograd wrap every call in auto_functionalized and Inductor reinplace
     and decompose it again: about 25 ms of compile time per linear on a CPU host;
     docs/LOG.md, 2026-11-25.)"""
-    if out_dtype == torch.float32 and not FUSED_FP32_OUT:
-        # cuBLAS's FP32 product is the output, scaled in place (inside this op, so a compiled
-        # graph still holds one functional node)
+    if out_dtype == torch.float32 and not (FUSED_GEMM and FUSED_FP32_OUT):
+        # cuBLAS's FP32 product is the output, scaled in place: no second FP32 tensor, and
+        # inside this op, so a compiled graph still holds one functional node
         from blockscale.kernels import gemm_epilogue  # noqa: PLC0415 (Triton is optional)
 
         acc = emulated.mm_fp32_accumulate(a_dq, b_dq)

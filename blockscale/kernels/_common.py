@@ -74,7 +74,7 @@ def dq_flags(return_dq: bool | tuple[bool, bool]) -> tuple[bool, bool]:
 def launch_tiles(cfg: tuple) -> tuple[int, int, dict]:
     """A quantize launcher's tile entry (BM, BK, num_warps[, maxnreg]) -> (BM, BK, launch
     options). maxnreg caps a thread's registers (ptxas spills to stay under it), so that more
-    programs fit on an SM; the defaults set none, benchmarks sweep it (docs/KERNELS.md)."""
+    programs fit on an SM (MXFP8 both's default sets 128; benchmarks sweep it, docs/KERNELS.md)."""
     bm, bk, warps, *cap = cfg
     if len(cap) > 1:
         raise ValueError(f"a tile entry is (BM, BK, num_warps[, maxnreg]), got {cfg}")
