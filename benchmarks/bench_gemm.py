@@ -19,8 +19,9 @@ FP32 (gemm/dispatch.py, CUBLAS_BF16_OUT): exact for MXFP8, which has no alpha (t
 reference applies an NVFP4 alpha, so its difference column is that alpha's).
 
 `--fp32-grad-weight` times grad_weight again with an FP32 output, as FP32 master weights get it
-(ops/linear.py): cuBLAS's FP32 product scaled in place ("cublas_ep") against the fused kernel
-at `--fp32-configs` (default: kernels.gemm.FP32_OUT_CONFIG and a few others).
+(ops/linear.py), and `--fp32-grad-input` grad_input, as a layer with an FP32 input gets it:
+cuBLAS's FP32 product scaled in place ("cublas_ep") against the fused kernel at
+`--fp32-configs` (default: kernels.gemm's two FP32 configs and a few others).
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ import harness  # noqa: E402
 
 from blockscale import kernels  # noqa: E402
 from blockscale.gemm import dispatch, emulated  # noqa: E402
-from blockscale.kernels.gemm import DEFAULT_CONFIG, FP32_OUT_CONFIG, gemm_fused  # noqa: E402
+from blockscale.kernels.gemm import (  # noqa: E402
+    DEFAULT_CONFIG,
+    FP32_OUT_CONFIG,
+    FP32_OUT_NARROW_CONFIG,
+    gemm_fused,
+)
 
 # (BM, BN, BK, GROUP_M, num_warps, num_stages, flatten, warp_specialize)
 CONFIGS = [
@@ -53,8 +59,8 @@ CONFIGS = [
 ]
 FP32_CONFIGS = [
     FP32_OUT_CONFIG,
+    FP32_OUT_NARROW_CONFIG,
     (128, 128, 64, 8, 8, 3, 1, 0),
-    (128, 128, 64, 8, 4, 4, 1, 0),
     (64, 256, 64, 8, 4, 3, 1, 0),
     (128, 128, 64, 8, 8, 4, 0, 0),
     (128, 128, 64, 8, 8, 3, 0, 1),
@@ -65,11 +71,16 @@ QUICK_CONFIGS = [(64, 64, 32, 4, 4, 2, 1, 0)]
 
 
 def gemms(
-    m: int, k: int, n: int, device: torch.device, fp32_grad_weight: bool = False
+    m: int,
+    k: int,
+    n: int,
+    device: torch.device,
+    fp32_grad_weight: bool = False,
+    fp32_grad_input: bool = False,
 ) -> list[tuple[str, Any, Any]]:
     """(name, a [rows, contraction], b [cols, contraction] view) for the step's three GEMMs,
-    laid out as the emulated backend gets them (and grad_weight again, "grad_weight_fp32", for
-    an FP32 output)."""
+    laid out as the emulated backend gets them (and grad_weight or grad_input again,
+    "grad_weight_fp32" / "grad_input_fp32", for an FP32 output)."""
     bf = torch.bfloat16 if device.type == "cuda" else torch.float32
     x = torch.randn(m, k, device=device, dtype=bf)
     w = torch.randn(n, k, device=device, dtype=bf)
@@ -81,7 +92,11 @@ def gemms(
         (f"grad_input {m}x{n}x{k}", go, w.t()),
         (f"grad_weight {n}x{m}x{k}", go_t, x_t),
     ]
-    return rows + ([(f"grad_weight_fp32 {n}x{m}x{k}", go_t, x_t)] if fp32_grad_weight else [])
+    if fp32_grad_input:
+        rows.append((f"grad_input_fp32 {m}x{n}x{k}", go, w.t()))
+    if fp32_grad_weight:
+        rows.append((f"grad_weight_fp32 {n}x{m}x{k}", go_t, x_t))
+    return rows
 
 
 def cublas_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -107,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also grad_weight with an FP32 output (FP32 master weights)",
     )
+    parser.add_argument(
+        "--fp32-grad-input",
+        action="store_true",
+        help="also grad_input with an FP32 output (a layer whose input is FP32: under autocast, "
+        "the residual stream's RMSNorm output)",
+    )
     parser.add_argument("--fp32-configs", nargs="+", default=None,
                         help="8 ints each, for the FP32 rows (default FP32_CONFIGS)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -122,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     amax = (torch.tensor(3.0, device=device), torch.tensor(5.0, device=device))
     rows: list[dict[str, Any]] = []
     for m, k, n in shapes:
-        for name, a, b in gemms(m, k, n, device, args.fp32_grad_weight):
+        for name, a, b in gemms(m, k, n, device, args.fp32_grad_weight, args.fp32_grad_input):
             flops = 2 * a.shape[0] * b.shape[0] * a.shape[1]
-            fp32 = name.startswith("grad_weight_fp32")
+            fp32 = "_fp32" in name
             out_dtype = torch.float32 if fp32 else torch.bfloat16
 
             def current(a=a, b=b, fp32=fp32):
@@ -133,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
                 return kernels.gemm_epilogue(acc, amax, out=acc if fp32 else None)
 
             variants = {"cublas_ep": current}
+            if fp32:  # the product alone: what an FP32 output without alpha (MXFP8) costs
+                variants["cublas_fp32_no_alpha"] = lambda a=a, b=b: emulated.mm_fp32_accumulate(
+                    a, b
+                )
             if device.type == "cuda" and not fp32:
                 # (with `allow_bf16_reduced_precision_reduction` as it is: on by default)
                 variants = {"cublas_bf16_no_alpha": lambda a=a, b=b: a @ b.t(), **variants}

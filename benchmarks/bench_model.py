@@ -473,6 +473,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="BF16 GEMM outputs without alpha or bias (MXFP8) from cuBLAS with "
                              "FP32 split-K reduction, not the fused kernel "
                              "(gemm/dispatch.py's CUBLAS_BF16_OUT)")  # fmt: skip
+    parser.add_argument("--fp32-fused-max-k", type=int, default=None, metavar="K",
+                        help="FP32 GEMM outputs with a contraction of at most K run the fused "
+                             "kernel, longer ones cuBLAS scaled in place (gemm/dispatch.py's "
+                             "FUSED_FP32_MAX_K; 0: cuBLAS for all, as before 2026-11-26)")  # fmt: skip
     replaced.add_arg(parser)
     tiles.add_arg(parser)
     parser.add_argument("--device", default=None)
@@ -501,7 +505,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ops_linear = importlib.import_module("blockscale.ops.linear")
     ops_linear.SHARE_INPUT_QUANTIZATION = not args.no_shared_input
     ops_linear.RECOMPUTE_WEIGHT = not args.no_recompute_weight
-    importlib.import_module("blockscale.gemm.dispatch").CUBLAS_BF16_OUT = args.cublas_bf16_out
+    dispatch = importlib.import_module("blockscale.gemm.dispatch")
+    dispatch.CUBLAS_BF16_OUT = args.cublas_bf16_out
+    if args.fp32_fused_max_k is not None:
+        dispatch.FUSED_FP32_MAX_K = args.fp32_fused_max_k
     replaced.apply(args)  # (for the rest of this process)
     tiles.apply(args)
     info = harness.banner(device)
@@ -523,6 +530,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                               "shared_input": not args.no_shared_input,
                               "recompute_weight": not args.no_recompute_weight,
                               "cublas_bf16_out": args.cublas_bf16_out,
+                              "fp32_fused_max_k": dispatch.FUSED_FP32_MAX_K,
                               "replaced": args.replaced, "tiles": args.tiles,
                               "compile_mode": args.compile_mode, "rows": rows}  # fmt: skip
                     harness.write_json(args.out, record)

@@ -38,9 +38,9 @@ def _step(x, w, b, recipe):
     return out.detach(), x.grad, w.grad
 
 
-def _reference_and_kernel_steps(name, tokens, monkeypatch):
+def _reference_and_kernel_steps(name, tokens, monkeypatch, x_dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, tokens // 2, 64, generator=g).bfloat16()
+    x = torch.randn(2, tokens // 2, 64, generator=g).to(x_dtype)
     x[0, 3, 5] = 40.0  # an outlier, so the blocks' scales differ
     w = torch.randn(96, 64, generator=g)
     b = torch.randn(96, generator=g)
@@ -73,10 +73,11 @@ def test_kernel_path_equals_reference_path(name, tokens, monkeypatch):
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp8"])
 def test_fused_gemm_in_the_step_matches_the_reference_path(name, fused_fp32, monkeypatch):
     """The step's BF16-output GEMMs run the fused kernel; its FP32 grad_weight (FP32 weights)
-    runs it only with FUSED_FP32_OUT, and cuBLAS's product scaled in place otherwise."""
+    runs it only where it has an alpha (NVFP4) and its contraction (the tokens) is at most
+    FUSED_FP32_MAX_K, and cuBLAS's product (scaled in place) otherwise."""
     from blockscale.kernels import gemm
 
-    monkeypatch.setattr(dispatch, "FUSED_FP32_OUT", fused_fp32)
+    monkeypatch.setattr(dispatch, "FUSED_FP32_MAX_K", 64 if fused_fp32 else 32)
 
     shapes = []
     real = gemm._gemm_fused
@@ -90,7 +91,32 @@ def test_fused_gemm_in_the_step_matches_the_reference_path(name, fused_fp32, mon
     # output, grad_input, grad_weight (40 tokens padded to the block for grad_weight's operands)
     t = {"nvfp4": 48, "mxfp8": 64}[name]
     fused = [((40, 64), (96, 64)), ((40, 96), (64, 96))]
-    assert shapes == fused + ([((96, t), (64, t))] if fused_fp32 else [])
+    # (MXFP8's FP32 output has no epilogue for the fused kernel to save: cuBLAS's is final)
+    assert shapes == fused + ([((96, t), (64, t))] if fused_fp32 and name == "nvfp4" else [])
     # the same products; only the FP32 summation order may differ (one BF16 step at most)
     for got, want, what in zip(kernel, reference, ("output", "grad_input", "grad_weight")):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=2**-7, msg=f"{name}: {what}")
+
+
+@pytest.mark.parametrize("max_k", [0, 64, 96])
+def test_fp32_outputs_take_the_fused_kernel_up_to_fused_fp32_max_k(max_k, monkeypatch):
+    """An FP32 input gives FP32 outputs to all three GEMMs (output: contraction 64, the input
+    features; grad_input: 96, the output features; grad_weight: the 48 padded tokens). Each
+    runs the fused kernel exactly when its contraction is at most FUSED_FP32_MAX_K, and the
+    results match the reference path either way."""
+    from blockscale.kernels import gemm
+
+    monkeypatch.setattr(dispatch, "FUSED_FP32_MAX_K", max_k)
+    contractions = []
+    real = gemm._gemm_fused
+
+    def counted(a, b, *args):
+        contractions.append(a.shape[1])
+        return real(a, b, *args)
+
+    monkeypatch.setattr(gemm, "_gemm_fused", counted)
+    reference, kernel = _reference_and_kernel_steps("nvfp4", 40, monkeypatch, torch.float32)
+    assert all(t.dtype == torch.float32 for t in kernel)
+    assert contractions == [k for k in (64, 96, 48) if k <= max_k]
+    for got, want, what in zip(kernel, reference, ("output", "grad_input", "grad_weight")):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=f"{what}")

@@ -92,6 +92,9 @@ def test_config_for_picks_warp_specialized_tiles_for_long_contractions_and_narro
     assert gemm.config_for(16384, 4096, 14336) == gemm.LONG_K_CONFIG
     assert gemm.config_for(4096, 4096, 16384) == gemm.DEFAULT_CONFIG  # grad_weight
     assert gemm.config_for(4096, 4096, 16384, torch.float32) == gemm.FP32_OUT_CONFIG
+    # FP32 grad_input of the key / value projections (contraction 512): eight warps
+    assert gemm.config_for(16384, 2048, 512, torch.float32) == gemm.FP32_OUT_NARROW_CONFIG
+    assert gemm.config_for(16384, 2048, 2048, torch.float32) == gemm.FP32_OUT_CONFIG
     # the key / value projections of a Llama with 8 KV heads of 64: N or K of 512
     assert gemm.config_for(16384, 512, 2048) == gemm.NARROW_CONFIG
     assert gemm.config_for(16384, 2048, 512) == gemm.NARROW_CONFIG

@@ -11,7 +11,8 @@ Backends (`Backend`, also a field of every recipe):
   `_dq` operands in the pass that quantizes, and one Triton kernel runs the GEMM with alpha,
   bias and the cast applied in registers (kernels/gemm.py; FUSED_GEMM), so the only memory
   pass beyond the GEMM is each `_dq` operand's write. An FP32 output (grad_weight of FP32
-  master weights) is cuBLAS's FP32 product, scaled in place (FUSED_FP32_OUT says why).
+  master weights, and grad_input of an FP32 input) with a long contraction is cuBLAS's FP32
+  product, scaled in place (FUSED_FP32_MAX_K says where and why).
   Elsewhere (CPU) alpha, bias and the cast are PyTorch ops on the FP32 accumulator.
 - `native`: Blackwell tensor cores through `torch.nn.functional.scaled_mm` (gemm/native.py).
   Unverified: see that module.
@@ -57,13 +58,20 @@ FUSED_GEMM = True
 # bench_gemm.py, "cublas_bf16_no_alpha"; docs/KERNELS.md).
 CUBLAS_BF16_OUT = False
 
-# An FP32 output (grad_weight of FP32 master weights) is cuBLAS's FP32 product itself, scaled in
-# place by the epilogue kernel (NVFP4's alpha; nothing to do for MXFP8), not the fused kernel:
-# at every grad_weight of the Llama 1B and 8B shapes on an H100 (2026-11-25 late,
-# `bench_gemm.py --fp32-grad-weight`, docs/KERNELS.md) the fused kernel's FP32 tiles ran 3-62%
-# slower than that, and the accumulator costs no memory there, being the output. True (with
-# FUSED_GEMM): the fused kernel.
-FUSED_FP32_OUT = False
+# An FP32 output runs the fused kernel (FP32 tiles) where its contraction is at most this long,
+# and is otherwise cuBLAS's FP32 product itself, scaled in place by the epilogue kernel (NVFP4's
+# alpha; nothing to do for MXFP8). FP32 outputs come two ways in a step: grad_weight of FP32
+# master weights (contraction: the tokens, 8192-16384 at the Llama shapes), where the fused
+# kernel's FP32 tiles ran 3-62% slower than cuBLAS in place (2026-11-25 late, H100,
+# `bench_gemm.py --fp32-grad-weight`), and grad_input of a layer whose input is FP32 (under
+# autocast, the RMSNorm output of an FP32 residual stream feeds q/k/v and gate/up; contraction:
+# the layer's output features), where cuBLAS in place writes and then reads and writes again a
+# [tokens, hidden] FP32 tensor: there the fused kernel took 204 against 260 us (contraction
+# 2048), 99 against 142 us (512) and 408 against 476 us (4096), and lost only at 5632 and 14336
+# (559 against 545 us, 1387 against 1249 us; 2026-11-26, `bench_gemm.py --fp32-grad-input`,
+# docs/KERNELS.md). Without alpha or bias (MXFP8) cuBLAS's product is the output as it is, with
+# no pass to save, so it stays there. 0: cuBLAS for every FP32 output.
+FUSED_FP32_MAX_K = 4096
 
 
 class Backend(StrEnum):
@@ -227,13 +235,15 @@ def _gemm(
     argument made AOTAutograd wrap every call in auto_functionalized and Inductor reinplace
     and decompose it again: about 25 ms of compile time per linear on a CPU host;
     docs/LOG.md, 2026-11-25.)"""
-    if out_dtype == torch.float32 and not (FUSED_GEMM and FUSED_FP32_OUT):
+    epilogue = amax_a is not None or bias is not None
+    fused_fp32 = FUSED_GEMM and epilogue and a_dq.shape[1] <= FUSED_FP32_MAX_K
+    if out_dtype == torch.float32 and not fused_fp32:
         # cuBLAS's FP32 product is the output, scaled in place: no second FP32 tensor, and
         # inside this op, so a compiled graph still holds one functional node
         from blockscale.kernels import gemm_epilogue  # noqa: PLC0415 (Triton is optional)
 
         acc = emulated.mm_fp32_accumulate(a_dq, b_dq)
-        if amax_a is None and bias is None:
+        if not epilogue:
             return acc
         amax = None if amax_a is None else (amax_a, amax_b)
         return gemm_epilogue(acc, amax, bias, out=acc)

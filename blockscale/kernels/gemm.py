@@ -40,9 +40,14 @@ DEFAULT_CONFIG = (128, 256, 64, 8, 8, 3, 1, 0)
 # grad_input GEMMs, 2624 / 2632 us against 2691 / 2876 us with DEFAULT_CONFIG), slower on the
 # step's grad_weight GEMMs (long contraction, fewer tiles).
 LONG_K_CONFIG = (128, 256, 64, 8, 8, 3, 0, 1)
-# An FP32 output tile (grad_weight of FP32 master weights) is twice the shared memory of a
-# BF16 one: 128 x 256 with 3 stages would need 272 KiB, past Hopper's 227 KiB per block.
-FP32_OUT_CONFIG = (128, 128, 64, 8, 8, 4, 1, 0)
+# An FP32 output tile is twice the shared memory of a BF16 one: 128 x 256 with 3 stages would
+# need 272 KiB, past Hopper's 227 KiB per block. The fused kernel writes FP32 outputs whose
+# contraction is short (gemm/dispatch.py, FUSED_FP32_MAX_K: grad_input of an FP32 input); four
+# warps were the fastest of six configs at contractions of 1024-4096 (16384 x 2048 <- 2048:
+# 204 against 227 us with eight; 8192 x 4096 <- 4096: 408 against 493 us), eight at 512 (99
+# against 162 us; 2026-11-26, bench_gemm.py --fp32-grad-input, docs/KERNELS.md).
+FP32_OUT_CONFIG = (128, 128, 64, 8, 4, 4, 1, 0)
+FP32_OUT_NARROW_CONFIG = (128, 128, 64, 8, 8, 4, 1, 0)
 # Where the output has at most 512 columns or the contraction is at most 512 long (the key and
 # value projections of a Llama with 8 KV heads of 64: N = 512 forward, K = 512 in grad_input),
 # smaller warp-specialized tiles: 16384 x 2048 -> 512 took 100-149 us against 126-197 us with
@@ -137,7 +142,7 @@ def _gemm_kernel(
 def config_for(m: int, n: int, k: int, out_dtype: torch.dtype = torch.bfloat16) -> tuple[int, ...]:
     """The tile config for out [m, n] contracting k (measured choices, see the constants)."""
     if out_dtype == torch.float32:
-        return FP32_OUT_CONFIG
+        return FP32_OUT_NARROW_CONFIG if k <= 512 else FP32_OUT_CONFIG
     if min(n, k) <= 512:
         return NARROW_CONFIG
     return LONG_K_CONFIG if k >= 8192 and m >= 16384 else DEFAULT_CONFIG
