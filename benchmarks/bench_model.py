@@ -469,10 +469,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-recompute-weight", action="store_true",
                         help="save each weight's packed dgrad copy for backward (ops/linear.py's "
                              "RECOMPUTE_WEIGHT off) instead of quantizing it again there")  # fmt: skip
-    parser.add_argument("--cublas-bf16-out", action="store_true",
-                        help="BF16 GEMM outputs without alpha or bias (MXFP8) from cuBLAS with "
-                             "FP32 split-K reduction, not the fused kernel "
-                             "(gemm/dispatch.py's CUBLAS_BF16_OUT)")  # fmt: skip
+    parser.add_argument("--no-cublas-bf16-out", action="store_true",
+                        help="BF16 GEMM outputs without alpha or bias (MXFP8) from the fused "
+                             "kernel, not cuBLAS with FP32 split-K reduction (gemm/dispatch.py's "
+                             "CUBLAS_BF16_OUT off, as before 2026-11-26)")  # fmt: skip
     parser.add_argument("--fp32-fused-max-k", type=int, default=None, metavar="K",
                         help="FP32 GEMM outputs with a contraction of at most K run the fused "
                              "kernel, longer ones cuBLAS scaled in place (gemm/dispatch.py's "
@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ops_linear.SHARE_INPUT_QUANTIZATION = not args.no_shared_input
     ops_linear.RECOMPUTE_WEIGHT = not args.no_recompute_weight
     dispatch = importlib.import_module("blockscale.gemm.dispatch")
-    dispatch.CUBLAS_BF16_OUT = args.cublas_bf16_out
+    dispatch.CUBLAS_BF16_OUT = not args.no_cublas_bf16_out
     if args.fp32_fused_max_k is not None:
         dispatch.FUSED_FP32_MAX_K = args.fp32_fused_max_k
     replaced.apply(args)  # (for the rest of this process)
@@ -529,7 +529,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                               "inline_triton": args.inline_triton,
                               "shared_input": not args.no_shared_input,
                               "recompute_weight": not args.no_recompute_weight,
-                              "cublas_bf16_out": args.cublas_bf16_out,
+                              "cublas_bf16_out": dispatch.CUBLAS_BF16_OUT,
                               "fp32_fused_max_k": dispatch.FUSED_FP32_MAX_K,
                               "replaced": args.replaced, "tiles": args.tiles,
                               "compile_mode": args.compile_mode, "rows": rows}  # fmt: skip

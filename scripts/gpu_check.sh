@@ -20,8 +20,8 @@
 #                                      those tiles (~8 min with all three recipes);
 #                                      MODEL=llama-8b BATCH=4 for the 8B shape (~5 min)
 #   scripts/gpu_check.sh cublas OUT    the MXFP8 cuBLAS route (gemm/dispatch.py, CUBLAS_BF16_OUT,
-#                                      off): its GPU test, then llama-1b compiled BF16 / mxfp8
-#                                      without and with it, two processes (~5 min)
+#                                      on since 2026-11-26): its GPU test, then llama-1b compiled
+#                                      BF16 / mxfp8 without and with it, two processes (~5 min)
 #   scripts/gpu_check.sh train OUT     bench_train --compile on small, batch 32: the study's
 #                                      speed and memory per recipe, each alone on the GPU (~2 min a
 #                                      quantized recipe: compiling it; give it two at a time)
@@ -92,8 +92,9 @@ models)
 cublas)
     step "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gemm.py -k cublas_bf16
     args=(--models llama-1b --compile --recipes bf16,mxfp8)
-    step "$PYTHON" benchmarks/bench_model.py "${args[@]}" --out "$out/bench_model_llama1b_mxfp8.json"
-    step "$PYTHON" benchmarks/bench_model.py "${args[@]}" --cublas-bf16-out \
+    step "$PYTHON" benchmarks/bench_model.py "${args[@]}" --no-cublas-bf16-out \
+        --out "$out/bench_model_llama1b_mxfp8.json"
+    step "$PYTHON" benchmarks/bench_model.py "${args[@]}" \
         --out "$out/bench_model_llama1b_mxfp8_cublas.json" ;;
 train)
     step "$PYTHON" benchmarks/bench_train.py --model small --batch-size 32 --compile \

@@ -53,10 +53,13 @@ FUSED_GEMM = True
 # Without alpha or bias (MXFP8, and the MXFP8 backward of nvfp4_fwd_mxfp8_bwd), a BF16 output
 # is cast(acc) alone, which cuBLAS's BF16 GEMM computes when its split-K partial sums are
 # reduced in FP32 (`allow_bf16_reduced_precision_reduction` off during the call: reduced in
-# BF16 they would be rounded twice). Off by default until timed in a model: alone, cuBLAS ran
-# the Llama-1B shapes' BF16 GEMMs in 2-66% less time than the fused kernel (2026-11-25 late,
-# bench_gemm.py, "cublas_bf16_no_alpha"; docs/KERNELS.md).
-CUBLAS_BF16_OUT = False
+# BF16 they would be rounded twice). Alone, cuBLAS ran the Llama-1B shapes' BF16 GEMMs in 2-66%
+# less time than the fused kernel (2026-11-25 late, bench_gemm.py, "cublas_bf16_no_alpha");
+# in the model it gave less: compiled llama-1b mxfp8 took 254 against 256 ms a step (H100,
+# 2026-11-26, one call; 0.882x against 0.877x of compiled BF16), and its GPU test
+# (test_gpu_cublas_bf16_route_rounds_once) found the output rounded once. False: the fused
+# kernel for these too.
+CUBLAS_BF16_OUT = True
 
 # An FP32 output runs the fused kernel (FP32 tiles) where its contraction is at most this long,
 # and is otherwise cuBLAS's FP32 product itself, scaled in place by the epilogue kernel (NVFP4's
