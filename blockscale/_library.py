@@ -42,6 +42,23 @@ keeps whole; Inductor calls each as an extern kernel, whose launch is the eager 
 dispatcher call. `INLINE_TRITON_KERNELS = True` (read at trace time) makes traces call the
 `blockscale_inline` triton_ops instead, which torch decomposes; for comparisons, e.g.
 `benchmarks/bench_model.py --inline-triton`.
+
+Input layouts (`any_strides`). A custom op without a layout tag gets torch's default
+`needs_exact_strides`: Inductor hands each extern call its input at the traced strides, and
+where that input is a pointwise node not yet stored, it stores a copy for that call alone
+(`ExternKernel.require_strides` -> `copy_input`). A cheap pointwise node (one read) that two
+extern calls take is not stored before them (`realize_hint` stores only nodes of several
+reads), so each call got its own copy. NVFP4 is that pattern: `amax_2d` and then
+`nvfp4_quantize_2d` read the same activation. Compiled under BF16 autocast, the FP32
+residual stream's gradient cast to the BF16 grad_output of o_proj and down_proj
+(`convert_element_type(add, bfloat16)` -> `reshape` -> both ops) was computed and written
+twice: in the CPU graph, two stores of the cast; on an H100 (llama-1b), the second is the
+pointwise kernel `triton_poi_fused__to_copy_amax_2d_nvfp4_quantize_2d_select_view` that read
+the FP32 gradient again (2 a layer, 2.4 ms a step). The first converted layer's FP32
+RMSNorm output was stored twice as well. The amax and quantize kernels take both strides of
+their input, so these ops are tagged `flexible_layout`: Inductor then stores the node once
+(`realize_input`) and both calls read that buffer. Only the layout requirement changes; the
+kernels and their bits do not.
 """
 
 from __future__ import annotations
@@ -137,6 +154,7 @@ def _define_lean(
     mutates_args: tuple[str, ...],
     kernel: Callable[..., Any],
     registered: RegisteredOp,
+    tags: tuple[torch.Tag, ...] = (),
 ) -> Any:
     """`name` defined with torch.library's low-level API: one CompositeExplicitAutograd kernel
     (`kernel`) and a fake impl that defers to `registered`'s current one. No Python
@@ -148,7 +166,7 @@ def _define_lean(
     lib = _LIBRARIES.get(namespace)
     if lib is None:
         lib = _LIBRARIES[namespace] = torch.library.Library(namespace, "FRAGMENT")
-    lib.define(op_name + torch.library.infer_schema(fn, mutates_args=mutates_args))
+    lib.define(op_name + torch.library.infer_schema(fn, mutates_args=mutates_args), tags=tags)
     lib.impl(op_name, kernel, "CompositeExplicitAutograd")
 
     def fake(*args: Any, **kwargs: Any) -> Any:
@@ -161,8 +179,16 @@ def _define_lean(
 
 
 def library_op(
-    name: str, mutates_args: Iterable[str] = (), triton: bool = False
+    name: str,
+    mutates_args: Iterable[str] = (),
+    triton: bool = False,
+    any_strides: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register `fn` as `torch.ops.<name>` (module docstring). `any_strides=True`: the op
+    reads its tensor arguments at whatever strides they come with (its kernels take the
+    strides), so it is tagged `flexible_layout` and Inductor stores an input two such ops
+    read once (module docstring, "Input layouts")."""
+
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         mutates = tuple(mutates_args)
         if triton and set_wrap_triton_enabled is not None:
@@ -174,7 +200,8 @@ def library_op(
         else:
             kernel = fn
         registered = RegisteredOp(None, None, _with_constants(fn) if triton else None)
-        registered.lean = _define_lean(name, fn, mutates, kernel, registered)
+        tags = (torch.Tag.flexible_layout,) if any_strides else ()
+        registered.lean = _define_lean(name, fn, mutates, kernel, registered, tags)
         if triton:
             inline_name = f"{INLINE_NAMESPACE}::{name.split('::')[1]}"
             registered.inline = torch.library.triton_op(inline_name, mutates_args=mutates)(fn)

@@ -233,6 +233,51 @@ def test_kernel_path_compiles_to_opaque_ops_with_eager_bits(
         assert torch.equal(e, c), f"{name} differs: max {(e - c).abs().max().item():.3g}"
 
 
+def test_kernel_path_stores_an_activation_the_amax_and_quantize_ops_share_once(
+    kernel_path_on_cpu,
+):
+    """amax_2d and nvfp4_quantize_2d read the same activation; where it is a cheap pointwise
+    node (a cast), Inductor stored one copy for each op while they required the traced
+    strides: the backward cast of the FP32 residual gradient to a BF16 grad_output was written
+    twice, on an H100 once by a kernel of its own (blockscale/_library.py, "Input layouts").
+    Both ops must read one buffer: here the forward's `x * 2` and, under BF16 autocast, the
+    backward's cast of the FP32 residual gradient."""
+    import re
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model = bsnn.convert(
+        nn.Sequential(nn.Linear(64, 64, bias=False)),
+        recipes.get("nvfp4", stochastic_rounding=False),
+    )
+    compiled = torch.compile(lambda x: x + model(x * 2), fullgraph=True)
+
+    def step():
+        x = torch.randn(2, 32, 64, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = compiled(x)
+        y.float().square().sum().backward()
+
+    # Inductor's FX graph cache does not key on the ops' tags: a graph cached before they
+    # changed would come back with its old code
+    with inductor_config.patch(force_disable_caches=True):
+        _, codes = run_and_get_code(step)
+    assert len(codes) == 2, len(codes)  # forward and backward
+    for code in codes:
+        calls = re.findall(
+            r"blockscale\.(amax_2d|nvfp4_quantize_2d)\.default\((?:reinterpret_tensor\()?(\w+)",
+            code,
+        )
+        activations = [
+            arg for op, arg in calls if op == "amax_2d" and not arg.startswith("primals")
+        ]
+        quantized = {arg for op, arg in calls if op == "nvfp4_quantize_2d"}
+        assert activations, calls
+        assert set(activations) <= quantized, calls
+
+
 def test_tracing_the_kernel_lookup_does_not_trace_a_cache_wrapper(kernel_path_on_cpu):
     """`_library.kernels()` is called inside traced code on the kernel path; a functools.cache
     there made Dynamo warn that it traces through the wrapper, on every compile."""

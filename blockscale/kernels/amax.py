@@ -204,7 +204,7 @@ def _amax_rht_kernel(
     tl.atomic_max(out_ptr + 1, tl.max(abs_bits(round_to_bf16(acc_t)), axis=0))
 
 
-@library_op("blockscale::amax_2d", mutates_args=(), triton=True)
+@library_op("blockscale::amax_2d", mutates_args=(), triton=True, any_strides=True)
 def _amax_2d(x: torch.Tensor, plain: bool, hadamard_t: bool) -> torch.Tensor:
     """FP32 [2]: (max |x|, max |Hadamard transform of x along dim 0|); unrequested ones 0."""
     M, K = x.shape

@@ -386,7 +386,7 @@ def _empty_like_spec(rows: int, cols: int, device, dq: bool):
     return data, scale, dq_t
 
 
-@library_op("blockscale::nvfp4_quantize_2d", mutates_args=(), triton=True)
+@library_op("blockscale::nvfp4_quantize_2d", mutates_args=(), triton=True, any_strides=True)
 def _nvfp4_quantize_2d(
     x: torch.Tensor,
     amax_row: torch.Tensor,
