@@ -59,10 +59,16 @@ RMSNorm output was stored twice as well. The amax and quantize kernels take both
 their input, so these ops are tagged `flexible_layout`: Inductor then stores the node once
 (`realize_input`) and both calls read that buffer. Only the layout requirement changes; the
 kernels and their bits do not. Measured on an H100 (2026-11-26, caches off, one process each):
-compiled llama-1b nvfp4 276 -> 273 ms a step. The grouped (MoE) amax and quantize ops carry the
-same pattern but are not tagged: tagged, the compiled MoE layer's nvfp4 step took 53.9 against
-50.9 ms (DeepSeek-V3-like) and 98.2 against 90.2 ms (Mixtral-like), and untagged again 50.8 and
-89.1 ms; why was not found (docs/LOG.md, 2026-11-26).
+compiled llama-1b nvfp4 276 -> 273 ms a step. The grouped (MoE) amax and quantize ops carry
+the same pattern (the gathered tokens and each BF16-cast expert weight were stored once per op)
+and are tagged too. The tag passes through whatever layout Inductor picks for a node it
+stores: while models/moe.py cast the transposed weight view (`w.transpose(-2, -1).to(bf16)`),
+Inductor stored that cast [E, K, N]-major and handed the grouped ops [E*N, K] weight rows with
+strides (1, E*N), two copies of a third store, read across K by kernels that coalesce along it;
+tagged then, the compiled MoE layer's nvfp4 step took 53.9 against 50.9 ms (DeepSeek-V3-like)
+and 98.2 against 90.2 ms (Mixtral-like) on an H100. models/moe.py now casts before it
+transposes, and every grouped input is one row-major buffer
+(`test_kernel_path_moe_layer_reads_each_grouped_input_once_row_major`; docs/LOG.md).
 """
 
 from __future__ import annotations

@@ -278,6 +278,72 @@ def test_kernel_path_stores_an_activation_the_amax_and_quantize_ops_share_once(
         assert set(activations) <= quantized, calls
 
 
+def _strides_in_code(code: str, name: str) -> tuple[int, ...]:
+    """The strides the generated wrapper `code` gives buffer `name`: where it is allocated,
+    asserted after an extern call, or taken over from another buffer (`# reuse`)."""
+    import re
+
+    n = re.escape(name)
+    for pattern in (
+        rf"\b{n} = empty_strided_\w+\(\([\d, ]*\), \(([\d, ]*)\)",
+        rf"assert_size_stride\({n}, \([\d, ]*\), \(([\d, ]*)\)",
+        rf"\b{n} = reinterpret_tensor\(\w+, \([\d, ]*\), \(([\d, ]*)\)",
+    ):
+        found = re.search(pattern, code)
+        if found:
+            return tuple(int(s) for s in found.group(1).replace(" ", "").split(",") if s)
+    found = re.search(rf"\b{n} = (\w+); del \1  # reuse", code)
+    assert found, f"no layout for {name}"
+    return _strides_in_code(code, found.group(1))
+
+
+def test_kernel_path_moe_layer_reads_each_grouped_input_once_row_major(kernel_path_on_cpu):
+    """The grouped amax and quantize ops read the same input: the gathered tokens (a gather
+    and a cast), the SwiGLU output, grad_output, and the experts' weights cast to BF16 under
+    autocast. Untagged, Inductor stored the tokens and each cast weight once per op; tagged
+    `flexible_layout` while models/moe.py cast the transposed weight view, it stored that cast
+    [E, K, N]-major and handed both ops [E*N, K] weight rows with strides (1, E*N), which the
+    kernels read along K (a transposed copy, three stores; slower on an H100: docs/LOG.md).
+    Every grouped op must read one buffer per input, with its last stride 1."""
+    import re
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    from blockscale.models.moe import MoE, MoEConfig
+
+    cfg = MoEConfig(dim=64, n_layers=1, n_heads=1, ffn_dim=64, seq_len=32, n_experts=4, top_k=2)
+    torch.manual_seed(0)
+    layer = bsnn.convert(MoE(cfg), recipes.get("nvfp4", stochastic_rounding=False))
+    compiled = torch.compile(layer)
+
+    def step():
+        x = torch.randn(32, 64, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = compiled(x)
+        y.float().square().sum().backward()
+
+    with inductor_config.patch(force_disable_caches=True):  # the FX cache ignores op tags
+        _, codes = run_and_get_code(step)
+    assert len(codes) == 2, len(codes)  # forward and backward
+    arg = r"(?:reinterpret_tensor\((\w+), \([\d, ]*\), \(([\d, ]*)\), \d+\)|(\w+))"
+    weights_seen = 0
+    for code in codes:
+        calls = re.findall(
+            rf"blockscale\.(group_amax_2d|nvfp4_quantize_grouped_2d)\.default\({arg}, (\w+)",
+            code,
+        )
+        amax_inputs = [(view or buf) for op, view, _, buf, _ in calls if op == "group_amax_2d"]
+        quantized = {(view or buf) for op, view, _, buf, _ in calls if op != "group_amax_2d"}
+        assert amax_inputs, calls
+        assert set(amax_inputs) <= quantized, calls  # one buffer for both ops
+        for _, view, strides, buf, source in calls:
+            last = int(strides.split(",")[-1]) if view else _strides_in_code(code, buf)[-1]
+            assert last == 1, (view or buf, strides, calls)
+            weights_seen += source == "None"  # expert weight rows: no token layout
+    assert weights_seen >= 4, weights_seen  # gate_up and down, amax and quantize
+
+
 def test_tracing_the_kernel_lookup_does_not_trace_a_cache_wrapper(kernel_path_on_cpu):
     """`_library.kernels()` is called inside traced code on the kernel path; a functools.cache
     there made Dynamo warn that it traces through the wrapper, on every compile."""

@@ -168,7 +168,7 @@ def _mxfp8_grouped_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
-@library_op("blockscale::group_amax_2d", mutates_args=(), triton=True)
+@library_op("blockscale::group_amax_2d", mutates_args=(), triton=True, any_strides=True)
 def _group_amax_2d(
     x: torch.Tensor,
     source: torch.Tensor | None,
@@ -192,7 +192,7 @@ def _group_amax_2d(
     return out.view(torch.float32)
 
 
-@library_op("blockscale::nvfp4_quantize_grouped_2d", mutates_args=(), triton=True)
+@library_op("blockscale::nvfp4_quantize_grouped_2d", mutates_args=(), triton=True, any_strides=True)
 def _nvfp4_quantize_grouped_2d(
     x: torch.Tensor,
     source: torch.Tensor | None,

@@ -130,10 +130,14 @@ class Experts(nn.Module):
     def forward(self, x_sorted: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """x_sorted [M, H], rows grouped by expert; offs int32 [E], each group's end row."""
         dtype = _grouped_dtype(x_sorted, self.gate_up_proj)
-        gate_up_t = self.gate_up_proj.transpose(-2, -1)
-        down_t = self.down_proj.transpose(-2, -1)
-        if gate_up_t.dtype != dtype:
-            gate_up_t, down_t = gate_up_t.to(dtype), down_t.to(dtype)
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if gate_up.dtype != dtype:
+            # Cast, then transpose: the same tensors as the other order in eager, but Inductor
+            # lays out a cast in its own shape, and a cast of the transposed view came out
+            # [E, K, N]-major, so the converted experts' [E*N, K] weight rows were a transposed
+            # copy of it (docs/LOG.md, 2026-11-26 (later)).
+            gate_up, down = gate_up.to(dtype), down.to(dtype)
+        gate_up_t, down_t = gate_up.transpose(-2, -1), down.transpose(-2, -1)
         gate, up = F.grouped_mm(x_sorted.to(dtype), gate_up_t, offs=offs).chunk(2, dim=-1)
         return F.grouped_mm(F.silu(gate) * up, down_t, offs=offs)
 
