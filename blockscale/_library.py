@@ -46,29 +46,18 @@ dispatcher call. `INLINE_TRITON_KERNELS = True` (read at trace time) makes trace
 Input layouts (`any_strides`). A custom op without a layout tag gets torch's default
 `needs_exact_strides`: Inductor hands each extern call its input at the traced strides, and
 where that input is a pointwise node not yet stored, it stores a copy for that call alone
-(`ExternKernel.require_strides` -> `copy_input`). A cheap pointwise node (one read) that two
-extern calls take is not stored before them (`realize_hint` stores only nodes of several
-reads), so each call got its own copy. NVFP4 is that pattern: `amax_2d` and then
-`nvfp4_quantize_2d` read the same activation. Compiled under BF16 autocast, the FP32
-residual stream's gradient cast to the BF16 grad_output of o_proj and down_proj
-(`convert_element_type(add, bfloat16)` -> `reshape` -> both ops) was computed and written
-twice: in the CPU graph, two stores of the cast; on an H100 (llama-1b), the second is the
-pointwise kernel `triton_poi_fused__to_copy_amax_2d_nvfp4_quantize_2d_select_view` that read
-the FP32 gradient again (2 a layer, 2.4 ms a step). The first converted layer's FP32
-RMSNorm output was stored twice as well. The amax and quantize kernels take both strides of
-their input, so these ops are tagged `flexible_layout`: Inductor then stores the node once
-(`realize_input`) and both calls read that buffer. Only the layout requirement changes; the
-kernels and their bits do not. Measured on an H100 (2026-11-26, caches off, one process each):
-compiled llama-1b nvfp4 276 -> 273 ms a step. The grouped (MoE) amax and quantize ops carry
-the same pattern (the gathered tokens and each BF16-cast expert weight were stored once per op)
-and are tagged too. The tag passes through whatever layout Inductor picks for a node it
-stores: while models/moe.py cast the transposed weight view (`w.transpose(-2, -1).to(bf16)`),
-Inductor stored that cast [E, K, N]-major and handed the grouped ops [E*N, K] weight rows with
-strides (1, E*N), two copies of a third store, read across K by kernels that coalesce along it;
-tagged then, the compiled MoE layer's nvfp4 step took 53.9 against 50.9 ms (DeepSeek-V3-like)
-and 98.2 against 90.2 ms (Mixtral-like) on an H100. models/moe.py now casts before it
-transposes, and every grouped input is one row-major buffer
-(`test_kernel_path_moe_layer_reads_each_grouped_input_once_row_major`; docs/LOG.md).
+(`ExternKernel.require_strides` -> `copy_input`); a one-read node is not stored before its
+users (`realize_hint`), so two extern ops reading it got a copy each. NVFP4 is that pattern:
+the amax op and then the quantize op read the same activation (compiled llama-1b: the
+backward's cast of the FP32 residual gradient to o_proj's and down_proj's BF16 grad_output,
+written twice, 2.4 ms a step on an H100). Their kernels take strides, so these ops (dense and
+grouped) are tagged `flexible_layout`: Inductor stores the node once and both read it. The
+tag lets through whatever layout Inductor picks for a node it stores, so the producer must
+lay it out well: a cast of a transposed view is stored transposed (models/moe.py casts its
+expert weights before it transposes them for this). Tests:
+`test_kernel_path_stores_an_activation_the_amax_and_quantize_ops_share_once`,
+`test_kernel_path_moe_layer_reads_each_grouped_input_once_row_major`; figures in docs/LOG.md
+(2026-11-26).
 """
 
 from __future__ import annotations

@@ -43,9 +43,10 @@ LONG_K_CONFIG = (128, 256, 64, 8, 8, 3, 0, 1)
 # An FP32 output tile is twice the shared memory of a BF16 one: 128 x 256 with 3 stages would
 # need 272 KiB, past Hopper's 227 KiB per block. The fused kernel writes FP32 outputs whose
 # contraction is short (gemm/dispatch.py, FUSED_FP32_MAX_K: grad_input of an FP32 input); four
-# warps were the fastest of six configs at contractions of 1024-4096 (16384 x 2048 <- 2048:
-# 204 against 227 us with eight; 8192 x 4096 <- 4096: 408 against 493 us), eight at 512 (99
-# against 162 us; 2026-11-26, bench_gemm.py --fp32-grad-input, docs/KERNELS.md).
+# warps were the fastest of six configs at contractions of 1024-4096 on an H100 (16384 x 2048
+# <- 2048: 223 against 243 us with eight; 8192 x 4096 <- 4096: 426 against 452 us) and tied
+# with eight at 512 (98 / 99 us), where an H200 ran four warps 64% slower (162 against 99 us;
+# 2026-11-26, bench_gemm.py --fp32-grad-input, docs/KERNELS.md): eight there.
 FP32_OUT_CONFIG = (128, 128, 64, 8, 4, 4, 1, 0)
 FP32_OUT_NARROW_CONFIG = (128, 128, 64, 8, 8, 4, 1, 0)
 # Where the output has at most 512 columns or the contraction is at most 512 long (the key and
