@@ -111,6 +111,18 @@ def bf16_bits(x):
 
 
 @triton.jit
+def to_bf16_bits(x, HW: tl.constexpr):
+    """int16 bits of FP32 x rounded to BF16, nearest even. HW: the GPU's conversion (one
+    instruction for two values, where the integer rounding costs six bit operations a value on
+    the ALU pipe, which bounds the quantize kernels: docs/KERNELS.md); otherwise the integer
+    rounding (the interpreter's BF16 cast truncates). They differ only in a NaN's payload."""
+    if HW:
+        return x.to(tl.bfloat16).to(tl.int16, bitcast=True)
+    else:
+        return bf16_bits(round_to_bf16(x))
+
+
+@triton.jit
 def max_keep_nan(a, b):
     """Combine function for a NaN-propagating max (tl.max would drop NaN on the GPU)."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
@@ -158,13 +170,14 @@ def e4m3_code_signed(x):
 def e4m3_round(w):
     """FP32 w in [-448, 448] (or NaN) -> the FP32 value of its E4M3 rounding (nearest even),
     sign kept (-0.0 stays -0.0): e4m3_byte_value(e4m3_code_signed(w)) without the code.
-    |w| + 1.5 * 2^(e + 20), with e the binade of |w| (at least -6, where E4M3's quantum stops
-    shrinking at 2^-9), lands in a binade whose ulp is the E4M3 step 2^(e - 3), so the FP32
-    add rounds |w| to the grid, ties to the even grid point; subtracting the constant again is
-    exact."""
+    |w| + c, with c = 1.5 * 2^(e + 20) and e the binade of |w| (at least -6, where E4M3's
+    quantum stops shrinking at 2^-9), lands in a binade whose ulp is the E4M3 step 2^(e - 3),
+    so the FP32 add rounds |w| to the grid, ties to the even grid point; subtracting c again is
+    exact. c is 2^e (the exponent bits of w) times 1.5 * 2^20: two bit operations and a
+    multiply, where shifting the exponent field took five bit operations."""
     bits = w.to(tl.int32, bitcast=True)
-    biased = tl.maximum((bits >> 23) & 0xFF, 121)
-    c = (((biased + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    binade = tl.maximum(bits & 0x7F800000, 121 << 23).to(tl.float32, bitcast=True)
+    c = binade * 1572864.0
     return with_sign((tl.abs(w) + c) - c, bits < 0)
 
 

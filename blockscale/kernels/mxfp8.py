@@ -19,7 +19,6 @@ from blockscale.formats import _checks
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.kernels._common import (
     abs_bits,
-    bf16_bits,
     cdiv,
     dot_in_fp32,
     dq_flags,
@@ -29,9 +28,10 @@ from blockscale.kernels._common import (
     exp2_int,
     interpreting,
     launch_tiles,
+    max_keep_nan,
     min_keep_nan,
     relayout_16,
-    round_to_bf16,
+    to_bf16_bits,
 )
 
 BLOCK = 32
@@ -40,10 +40,12 @@ BLOCK = 32
 @triton.jit
 def _mx_tile(v, R: tl.constexpr, C: tl.constexpr, HW_FP8: tl.constexpr):
     """FP32 [R, C], blocks of 32 along C -> (E4M3 bytes uint8 [R, C], E8M0 codes uint8
-    [R, C/32], FP32 dq [R, C])."""
+    [R, C/32], dq [R, C] as int16 BF16 bits)."""
     NB: tl.constexpr = C // 32
     vb = tl.reshape(v, [R, NB, 32])
-    block_amax = tl.max(abs_bits(vb), axis=2).to(tl.float32, bitcast=True)
+    # a NaN-propagating float max: one ALU operation a value, where |x| on the bits and an
+    # integer max took two (the ALU pipe bounds this kernel, docs/KERNELS.md)
+    block_amax = tl.reduce(tl.abs(vb), 2, max_keep_nan)
     p = block_amax * 0.002232142857142857
     pb = p.to(tl.int32, bitcast=True)
     expf = pb >> 23
@@ -57,16 +59,19 @@ def _mx_tile(v, R: tl.constexpr, C: tl.constexpr, HW_FP8: tl.constexpr):
     finite = block_amax < float("inf")
     ecode = tl.where(finite, e + 127, 255)
     w = vb * exp2_int(-e)[:, :, None]
-    w = tl.where(w < -448.0, -448.0, min_keep_nan(w, 448.0))
     if HW_FP8:
+        # No clamp: |w| <= amax * 2^-e < 448 * (1 + 2^-22) for a finite block (p is amax /
+        # 448 within 2^-23, and 2^e >= p), which E4M3 rounds to 448; the conversion
+        # saturates Inf to 448 as the clamp did (the dq of an Inf block is NaN either way).
         # The hardware conversion (RNE, like the integer path) for the stored bytes. The dq
         # takes its values from e4m3_round, not from these bytes: reading the converted bytes
         # back as integers gave wrong values on sm_90 with Triton 3.6 (docs/LOG.md).
         byte = w.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
+        w = tl.where(w < -448.0, -448.0, min_keep_nan(w, 448.0))
         byte = e4m3_code_signed(w).to(tl.uint8)
     scale = tl.where(finite, exp2_int(e), float("nan"))
-    dq = round_to_bf16(e4m3_round(w) * scale[:, :, None])
+    dq = to_bf16_bits(e4m3_round(w) * scale[:, :, None], HW_FP8)
     finite_tile = tl.max(tl.max(abs_bits(block_amax), axis=1), axis=0) < 0x7F800000
     return tl.reshape(byte, [R, C]), ecode.to(tl.uint8), tl.reshape(dq, [R, C]), finite_tile
 
@@ -97,7 +102,7 @@ def store_mx_rows(
         mask=rmask[:, None] & (sc < n_cols // 32)[None, :],
     )
     if DQ:
-        tl.store(dq_ptr + rows[:, None] * n_cols + cols[None, :], bf16_bits(dq), mask=m)
+        tl.store(dq_ptr + rows[:, None] * n_cols + cols[None, :], dq, mask=m)
 
 
 @triton.jit
@@ -152,7 +157,7 @@ def quantize_columns_mx(
 
 @triton.jit
 def _mxfp8_dequantize_kernel(
-    data_ptr, scale_ptr, out_ptr, R, C, BR: tl.constexpr, BC: tl.constexpr
+    data_ptr, scale_ptr, out_ptr, R, C, BR: tl.constexpr, BC: tl.constexpr, HW: tl.constexpr
 ):
     """E4M3 bytes + E8M0 scales -> BF16 data * 2^e (the `_dq` operand): the FP32 product is
     exact (a 4-bit significand times a power of two, down to 2^-136), then rounded to BF16
@@ -171,8 +176,8 @@ def _mxfp8_dequantize_kernel(
     ).to(tl.int32)
     scale = tl.where(ecode == 255, float("nan"), exp2_int(ecode - 127))
     v = tl.reshape(e4m3_byte_value(byte), [BR, BC // 32, 32]) * scale[:, :, None]
-    dq = round_to_bf16(tl.reshape(v, [BR, BC]))
-    tl.store(out_ptr + rows[:, None] * C + cols[None, :], bf16_bits(dq), mask=m)
+    dq = to_bf16_bits(tl.reshape(v, [BR, BC]), HW)
+    tl.store(out_ptr + rows[:, None] * C + cols[None, :], dq, mask=m)
 
 
 # (BM, BK, num_warps[, maxnreg]) per kind of launch (_common.launch_tiles, docs/KERNELS.md);
@@ -230,7 +235,8 @@ def _mxfp8_dequantize_2d(data: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     if R and C:
         grid = (cdiv(R, 32), cdiv(C, 128))
         torch.library.wrap_triton(_mxfp8_dequantize_kernel)[grid](
-            data, scale, out.view(torch.int16), R, C, BR=32, BC=128, num_warps=4
+            data, scale, out.view(torch.int16), R, C, BR=32, BC=128, HW=not interpreting(),
+            num_warps=4,
         )
     return out
 
