@@ -237,7 +237,7 @@ def _mxfp8_dequantize_2d(data: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
         torch.library.wrap_triton(_mxfp8_dequantize_kernel)[grid](
             data, scale, out.view(torch.int16), R, C, BR=32, BC=128, HW=not interpreting(),
             num_warps=4,
-        )
+        )  # fmt: skip
     return out
 
 
