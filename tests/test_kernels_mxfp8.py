@@ -11,7 +11,7 @@ import triton.language as tl
 
 from blockscale import kernels
 from blockscale.formats import mxfp8
-from blockscale.kernels._common import e4m3_round
+from blockscale.kernels._common import e4m3_round, to_bf16_bits
 
 ON_GPU = torch.cuda.is_available()
 DEV = "cuda" if ON_GPU else "cpu"
@@ -177,3 +177,33 @@ def test_gpu_large_shapes(shape):
     assert_same(qc, rc)
     assert_bits(dqc, rc.dq())
     assert_bits(kernels.mxfp8_dequantize_dq(qc), dqc)
+
+
+@triton.jit
+def _to_bf16_bits_kernel(x_ptr, hw_ptr, int_ptr, n, B: tl.constexpr):
+    i = tl.program_id(0) * B + tl.arange(0, B)
+    x = tl.load(x_ptr + i, mask=i < n)
+    tl.store(hw_ptr + i, to_bf16_bits(x, True), mask=i < n)
+    tl.store(int_ptr + i, to_bf16_bits(x, False), mask=i < n)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_hardware_bf16_conversion_equals_the_integer_rounding():
+    """The dq's BF16 conversion on the GPU (to_bf16_bits with HW) against the integer rounding
+    the interpreter runs: every tie and its neighbours in a few binades, BF16-subnormal and
+    FP32-subnormal values (where BF16's quantum 2^-133 rounds), signed zeros, the overflow
+    edge and Inf; NaN only by class (the hardware's NaN has its own payload)."""
+    base = torch.tensor([1.0, 1.5, 3.0, 2.0**-126, 2.0**-130, 2.0**-133, 2.0**-140, 2.0**127])
+    ties = torch.cat([(base.view(torch.int32) + k).view(torch.float32) for k in
+                      (0x7FFF, 0x8000, 0x8001, 0x17FFF, 0x18000, 0x18001, 1, 0xFFFF)])  # fmt: skip
+    special = torch.tensor([0.0, 3.4028234663852886e38, float("inf"), 1e-45, 5e-41, float("nan")])
+    mags = torch.cat((ties, special, torch.rand(4096, generator=torch.Generator().manual_seed(0))))
+    x = torch.cat((mags, -mags)).to(DEV)
+    hw = torch.empty(x.shape, dtype=torch.int16, device=DEV)
+    ref = torch.empty_like(hw)
+    _to_bf16_bits_kernel[(triton.cdiv(x.numel(), 256),)](x, hw, ref, x.numel(), B=256)
+    nan = x.isnan()
+    assert torch.equal(hw[~nan], ref[~nan])
+    assert torch.equal(hw[~nan], x[~nan].to(torch.bfloat16).view(torch.int16))
+    assert bool(hw[nan].view(torch.bfloat16).isnan().all())
