@@ -57,7 +57,7 @@ def test_amax_over_several_tiles_per_program(where):
     in the last tile. (Tiles follow kernels.amax's TILES["plain"], 32 x 256 with 2 a program.)"""
     x = randn(80, 600, seed=3)
     x.view(-1)[where] = -9.25
-    exact(kernels.amax(x), torch.tensor(9.25))
+    exact(kernels.amax(x), torch.tensor(9.25, device=DEV))
     exact(kernels.amax(x.float()), torch.tensor(9.25))
 
 

@@ -214,13 +214,21 @@ def _dot16(v, h, R: tl.constexpr, C: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def hadamard_16(v, h_ptr, R: tl.constexpr, C: tl.constexpr, DOT_F32: tl.constexpr):
+def hadamard_16(
+    v, h_ptr, R: tl.constexpr, C: tl.constexpr, DOT_F32: tl.constexpr, HW: tl.constexpr = False
+):
     """y = v16 @ H on every run of 16 values along the last dim of the [R, C] tile, then
     rounded to BF16 (returned as FP32). Products are exact; the FP32 accumulation equals the
-    FP64 reference whenever the partial sums are exact (see docs/KERNELS.md)."""
+    FP64 reference whenever the partial sums are exact (see docs/KERNELS.md). HW: round with
+    the GPU's conversion (one ALU operation for two values, where round_to_bf16 takes about
+    six a value; the interpreter's cast truncates, so it needs HW False)."""
     i = tl.arange(0, 16)
     h = tl.load(h_ptr + i[:, None] * 16 + i[None, :])
-    return round_to_bf16(_dot16(v, h, R, C, DOT_F32))
+    y = _dot16(v, h, R, C, DOT_F32)
+    if HW:
+        return y.to(tl.bfloat16).to(tl.float32)
+    else:
+        return round_to_bf16(y)
 
 
 @triton.jit

@@ -114,7 +114,8 @@ def _nvfp4_grouped_kernel(
     data_ptr, scale_ptr, dq_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
     ROW: tl.constexpr, COL: tl.constexpr, ROW_2D: tl.constexpr, ROW_SR: tl.constexpr,
     COL_SR: tl.constexpr, COL_HAD: tl.constexpr, DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr,
-    GATHER: tl.constexpr, DOT_F32: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    GATHER: tl.constexpr, DOT_F32: tl.constexpr, HW: tl.constexpr, BM: tl.constexpr,
+    BK: tl.constexpr,
 ):  # fmt: skip
     p0 = tl.program_id(0) * BM
     k0 = tl.program_id(1) * BK
@@ -140,7 +141,8 @@ def _nvfp4_grouped_kernel(
         base = ((P + 15) // 16) * 16 * (K // 16)
         u_t = _uniforms(seed_ptr, seed_ptr, k0, p0, K, P, base, BK, BM, COL_SR, False, True)
         quantize_columns(x, s_dec_t, mult_t, u_t, h_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
-                         k0, p0, K, P, BK, BM, False, COL_SR, COL_HAD, DQ_COL, DOT_F32)  # fmt: skip
+                         k0, p0, K, P, BK, BM, False, COL_SR, COL_HAD, DQ_COL, DOT_F32,
+                         HW)  # fmt: skip
 
 
 @triton.jit
@@ -233,6 +235,7 @@ def _nvfp4_quantize_grouped_2d(
         data, scale, dq_r.view(torch.int16), data_t, scale_t, dq_c.view(torch.int16),
         ROW=row, COL=col, ROW_2D=row_2d, ROW_SR=row_sr, COL_SR=col_sr, COL_HAD=col_hadamard,
         DQ_ROW=dq_row, DQ_COL=dq_col, GATHER=source is not None, DOT_F32=dot_in_fp32(x),
+        HW=not interpreting(),
         BM=bm, BK=bk, **options,
     )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c

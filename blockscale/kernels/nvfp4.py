@@ -38,6 +38,7 @@ from blockscale.kernels._common import (
     e4m3_value,
     hadamard_16,
     hadamard_matrix,
+    interpreting,
     launch_tiles,
     max_keep_nan,
     min_keep_nan,
@@ -132,28 +133,30 @@ def columnwise_base(rows: int, cols: int) -> int:
 
 
 @triton.jit
-def _e2m1(w, u, SR: tl.constexpr, DQ: tl.constexpr):
-    """Scaled FP32 values -> (int32 magnitude index 0..7, FP32 magnitude on the grid when DQ),
-    nearest-even or stochastic (u: uniforms in [0, 1)). NaN gives garbage here; the caller
-    zeroes NaN blocks.
+def _e2m1(a, u, SR: tl.constexpr, DQ: tl.constexpr):
+    """Scaled FP32 magnitudes a in [0, 6] (or NaN) -> (int32 whose low three bits are the
+    magnitude index 0..7, FP32 magnitude on the grid when DQ), nearest-even or stochastic
+    (u: uniforms in [0, 1)). NaN gives garbage here; the caller zeroes NaN blocks.
 
-    The grid has step 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6]: with j = 0, 1, 2 the binade,
-    y = a * 2^(1-j) puts the step at 1 (exact), so rounding y to an integer is rounding a to
-    the grid, and index = round(y) + 2j. Adding 1.5 * 2^23 rounds y to an integer with ties
-    to even; the low bits of the sum are the integer."""
-    a = min_keep_nan(tl.abs(w), 6.0)
-    j = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, 0)
-    s = ((128 - j) << 23).to(tl.float32, bitcast=True)
-    y = a * s
+    The grid has step 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6]: with 2^j the binade of max(a, 1)
+    (j = 0, 1, 2; e = 127 + j the exponent field), y = a * 2^(1-j) puts the step at 1 (exact),
+    so rounding y to an integer r is rounding a to the grid, and index = r + 2j.
+    Nearest: adding 1.5 * 2^23 (+ 2) rounds y to an integer with ties to even, and the low bits
+    of the sum are r + 2. Stochastic: ceil(y - u) = floor(y) + [u < frac(y)], the reference's
+    rule, and y - u is exact wherever it decides the ceiling (docs/KERNELS.md).
+    Written for the GPU's pipes (the ALU pipe bounds these kernels, docs/KERNELS.md): e is the
+    high word of bits * 2^9 and 2^(1-j), 2^(j-1), 2j come from e by integer multiply-adds, all
+    on the FMA pipe; one integer max is the only ALU operation here."""
+    e = tl.maximum(tl.umulhi(a.to(tl.int32, bitcast=True), 512), 127)
+    y = a * (0x7F800000 - e * 0x800000).to(tl.float32, bitcast=True)
     if SR:
-        # round up with probability frac(y) = (a - lo) / step, exactly as e2m1.round_stochastic
-        f = tl.floor(y)
-        t = f + tl.where(u < y - f, 12582913.0, 12582912.0)
+        t = tl.ceil(y - u) + 12582914.0
     else:
-        t = y + 12582912.0
-    idx = t.to(tl.int32, bitcast=True) - (0x4B400000 - 2 * j)
+        t = y + 12582914.0
+    # bits(t) = 0x4B400000 + r + 2, so bits(t) + 2e = 0x4B400100 + index: the low three bits
+    idx = t.to(tl.int32, bitcast=True) + e * 2
     if DQ:
-        mag = (t - 12582912.0) * ((126 + j) << 23).to(tl.float32, bitcast=True)
+        mag = (t - 12582914.0) * (e * 0x800000 - 0x800000).to(tl.float32, bitcast=True)
     else:
         mag = 0.0
     return idx, mag
@@ -177,13 +180,17 @@ def _quantize_tile(
     sval = e4m3_value(scode)
     enc = min_keep_nan(tl.math.div_rn(tl.full([R, NB], 1.0, tl.float32), sval * s_dec), FLT_MAX)
     w = vb * enc[:, :, None]
-    idx, mag = _e2m1(w, u, SR, DQ)
+    idx, mag = _e2m1(min_keep_nan(tl.abs(w), 6.0), u, SR, DQ)
     # A NaN block (NaN input or NaN amax) has NaN scaled values: codes 0, as the reference.
+    # Per block, the index mask is 7, or 0 in a NaN block (whose w < 0 is false throughout),
+    # so a code is one three-input bit operation: (idx & mask) | sign.
     neg = w < 0.0
-    code = tl.where(sval[:, :, None] == sval[:, :, None], idx | (neg.to(tl.int32) << 3), 0)
-    dq = tl.reshape(with_sign(mag, neg) * sval[:, :, None], [R, C])
+    mask = tl.where(sval == sval, 7, 0)
+    code = (idx & mask[:, :, None]) | tl.where(neg, 8, 0)
+    # (sval * -1.0, not -sval: Triton's negation is 0 - x, which makes -0.0 of a zero scale +0.0)
+    dq = tl.reshape(mag * tl.where(neg, sval[:, :, None] * -1.0, sval[:, :, None]), [R, C])
     lo, hi = tl.split(tl.reshape(code, [R, C // 2, 2]))
-    packed = (lo | (hi << 4)).to(tl.uint8)
+    packed = (lo + hi * 16).to(tl.uint8)  # (disjoint bits: a multiply-add, not a shift and or)
     # on the bits: tl.max over floats drops NaN (GPU and interpreter alike)
     finite = tl.max(tl.max(abs_bits(block_amax), axis=1), axis=0) < 0x7F800000
     return packed, scode.to(tl.uint8), dq, finite
@@ -262,7 +269,7 @@ def _nvfp4_quantize_kernel(
     ROW: tl.constexpr, COL: tl.constexpr, ROW_2D: tl.constexpr, COL_2D: tl.constexpr,
     ROW_SR: tl.constexpr, COL_SR: tl.constexpr, COL_HAD: tl.constexpr,
     RAND_GIVEN: tl.constexpr, DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr,
-    DOT_F32: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    DOT_F32: tl.constexpr, HW: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     m0 = tl.program_id(0) * BM
     k0 = tl.program_id(1) * BK
@@ -289,21 +296,22 @@ def _nvfp4_quantize_kernel(
             seed_ptr, rand_col_ptr, k0, m0, K, M, base, BK, BM, COL_SR, RAND_GIVEN, True
         )
         quantize_columns(x, s_dec_t, mult_t, u_t, h_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
-                         k0, m0, K, M, BK, BM, COL_2D, COL_SR, COL_HAD, DQ_COL, DOT_F32)  # fmt: skip
+                         k0, m0, K, M, BK, BM, COL_2D, COL_SR, COL_HAD, DQ_COL, DOT_F32,
+                         HW)  # fmt: skip
 
 
 @triton.jit
 def quantize_columns(
     x, s_dec_t, mult_t, u_t, h_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr, k0, m0, K, M,
     BK: tl.constexpr, BM: tl.constexpr, COL_2D: tl.constexpr, COL_SR: tl.constexpr,
-    COL_HAD: tl.constexpr, DQ_COL: tl.constexpr, DOT_F32: tl.constexpr,
+    COL_HAD: tl.constexpr, DQ_COL: tl.constexpr, DOT_F32: tl.constexpr, HW: tl.constexpr,
 ):  # fmt: skip
     """The columnwise copy of a loaded [BM, BK] tile x (blocks along its BM rows, optionally
     Hadamard-transformed) stored at (k0, m0) of the [K, M] outputs. Shared by the dense and
-    the grouped kernels."""
+    the grouped kernels. HW: the GPU (not the interpreter) rounds the transform to BF16."""
     xt = tl.trans(x)
     if COL_HAD:
-        vt = hadamard_16(xt, h_ptr, BK, BM, DOT_F32)
+        vt = hadamard_16(xt, h_ptr, BK, BM, DOT_F32, HW)
     else:
         vt = relayout_16(xt, BK, BM, DOT_F32)
     packed_t, scode_t, dq_t, finite = _quantize_tile(
@@ -435,7 +443,7 @@ def _nvfp4_quantize_2d(
         data, scale, dq_r.view(torch.int16), data_t, scale_t, dq_c.view(torch.int16),
         ROW=row, COL=col, ROW_2D=row_2d, COL_2D=col_2d, ROW_SR=row_sr, COL_SR=col_sr,
         COL_HAD=col_hadamard, RAND_GIVEN=rand_given, DQ_ROW=dq_row, DQ_COL=dq_col,
-        DOT_F32=dot_in_fp32(x),
+        DOT_F32=dot_in_fp32(x), HW=not interpreting(),
         BM=bm, BK=bk, **options,
     )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c
