@@ -58,7 +58,7 @@ def test_amax_over_several_tiles_per_program(where):
     x = randn(80, 600, seed=3)
     x.view(-1)[where] = -9.25
     exact(kernels.amax(x), torch.tensor(9.25, device=DEV))
-    exact(kernels.amax(x.float()), torch.tensor(9.25))
+    exact(kernels.amax(x.float()), torch.tensor(9.25, device=DEV))
 
 
 @pytest.mark.parametrize("shape", [(16, 16), (48, 96), (80, 48), (2, 16, 40)], ids=str)
