@@ -130,7 +130,7 @@ def cases(x: torch.Tensor) -> list[tuple[str, str, Callable[[], Any], float]]:
         ),
         (
             "nvfp4 both SR (grad_output) + dq",
-            "nvfp4:both_dq",
+            "nvfp4:both_sr_dq",
             lambda: kernels.nvfp4_quantize_both(
                 x, {"amax": amax, "rounding": "stochastic"}, col_sr, return_dq=True
             ),

@@ -75,10 +75,10 @@ def test_a_register_cap_given_on_the_command_line_reaches_the_compiler(tmp_path)
     cap, which ptxas honours (spilling if it must): the both-direction SR kernel, 168 registers
     at a 64x64/4 tile, compiles within 128 with the cap, so 4 programs fit an SM."""
     (plain,) = sass_rows(
-        tmp_path / "plain.json", "--only", "both SR", "--tiles", "nvfp4.both_dq=64,64,4"
+        tmp_path / "plain.json", "--only", "both SR", "--tiles", "nvfp4.both_sr_dq=64,64,4"
     )
     (capped,) = sass_rows(
-        tmp_path / "capped.json", "--only", "both SR", "--tiles", "nvfp4.both_dq=64,64,4,128"
+        tmp_path / "capped.json", "--only", "both SR", "--tiles", "nvfp4.both_sr_dq=64,64,4,128"
     )
     assert plain["registers"] > 128 and plain["programs_per_sm"] < 4, plain
     assert capped["registers"] <= 128 and capped["programs_per_sm"] == 4, capped

@@ -374,17 +374,29 @@ def _nvfp4_dequantize_kernel(
 # (BM, BK, num_warps[, maxnreg]) per kind of launch (_common.launch_tiles); measured on an
 # H100 (docs/KERNELS.md). The benchmark may override these to sweep tile shapes.
 # A `_dq` launch keeps twice the values live: tiles of 16 values per thread keep it under
-# ~100 registers (occupancy), where 32 per thread suit the launches without dq. both_dq moved
-# from (64, 64, 4) to (32, 64, 4) on the 2026-11-25 late sweep: equal for the plain kernel,
-# 4% faster with stochastic rounding, and 21% faster in the grouped backward that shares it.
+# ~100 registers (occupancy), where 32 per thread suit the launches without dq. Since the ALU
+# rewrite of 2026-11-26 the both-direction `_dq` launches want different tiles with and
+# without stochastic rounding (H100 sweep, docs/KERNELS.md): nearest 64x64/4 (516 us against
+# 546 at 32x64/4; 501 with a 128-register cap, which spills), stochastic 32x64/4 (580 against
+# 737 at 64x64/4).
 TILES = {
     "row": (64, 128, 8),
     "row_dq": (32, 128, 8),
     "col": (64, 64, 4),
     "col_dq": (64, 64, 8),
     "both": (64, 64, 4),
-    "both_dq": (32, 64, 4),
+    "both_dq": (64, 64, 4),
+    "both_sr_dq": (32, 64, 4),
 }
+
+
+def tile_kind(row: bool, col: bool, dq: bool, sr: bool) -> str:
+    """The TILES key of a launch: direction(s), stochastic rounding (both directions with
+    `_dq` only), `_dq`."""
+    kind = "both" if row and col else ("col" if col else "row")
+    if kind == "both" and dq and sr:
+        return "both_sr_dq"
+    return kind + ("_dq" if dq else "")
 
 
 def _empty_like_spec(rows: int, cols: int, device, dq: bool):
@@ -430,9 +442,8 @@ def _nvfp4_quantize_2d(
         return data, scale, dq_r, data_t, scale_t, dq_c
     rand_given = rand_row is not None or rand_col is not None
     dummy = amax_row
-    bm, bk, options = launch_tiles(TILES[
-        ("both" if row and col else ("col" if col else "row")) + ("_dq" if dq_row or dq_col else "")
-    ])  # fmt: skip
+    kind = tile_kind(row, col, dq_row or dq_col, (row and row_sr) or (col and col_sr))
+    bm, bk, options = launch_tiles(TILES[kind])
     grid = (cdiv(M, bm), cdiv(K, bk))
     torch.library.wrap_triton(_nvfp4_quantize_kernel)[grid](
         x, x.stride(0), x.stride(1), M, K,
