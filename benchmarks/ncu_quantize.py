@@ -9,6 +9,10 @@ own, which a plain --kernel-name filter would catch first). Run on the GPU machi
         --metrics regex:sm__inst_executed_pipe_.*\\.avg\\.pct_of_peak_sustained_active \\
         python benchmarks/ncu_quantize.py "mxfp8 both + dq"
 
+A per-group kernel of bench_grouped_mm.py takes `--grouped M,K,E` (tokens, hidden size,
+experts; uneven splits as that benchmark's), e.g. `--grouped 65536,7168,8 "nvfp4 bwd: rows
+SR+dq, Hadamard tokens SR+dq"`.
+
 (2026-11-26, H100: the ALU pipe 74-88% busy in the both-direction kernels, docs/KERNELS.md.)
 """
 
@@ -27,8 +31,16 @@ from bench_quantize import SHAPE, cases, make_input  # noqa: E402
 def main(names: list[str]) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("ncu_quantize.py needs a CUDA GPU")
-    x = make_input(SHAPE, torch.device("cuda"))
-    known = {name: fn for name, _family, fn, _bytes in cases(x)}
+    if names[:1] == ["--grouped"] and len(names) > 1:
+        from bench_grouped_mm import kernel_cases
+
+        m, k, e = (int(v) for v in names[1].split(","))
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        known = {name: fn for name, (fn, _bytes) in kernel_cases(x, e).items()}
+        names = names[2:]
+    else:
+        x = make_input(SHAPE, torch.device("cuda"))
+        known = {name: fn for name, _family, fn, _bytes in cases(x)}
     missing = [n for n in names if n not in known]
     if not names or missing:
         raise SystemExit(f"name one or more of: {', '.join(known)} (unknown: {missing})")
