@@ -62,6 +62,20 @@ from bench_quantize import cases, make_input  # noqa: E402
 from blockscale.kernels.nvfp4 import MIX32  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+# The sm_90 pipe an opcode issues to (Nsight Compute's pipe names), for the three that bound
+# the quantize kernels: the ALU pipe (bit operations, shifts, integer adds, every compare,
+# select, min/max and PRMT) takes two cycles a warp instruction, the FMA pipe (float
+# multiply-adds and every IMAD form) one, the XU (conversions, MUFU) eight. Measured on the H100
+# (docs/KERNELS.md, "2026-11-26 (later)"): the ALU pipe was 74-88% busy, so its count, not the
+# instruction count, is what these kernels are bound by.
+PIPES = {
+    "alu": {"LOP3", "SHF", "IADD3", "ISETP", "FSETP", "FMNMX", "SEL", "FSEL", "PRMT", "VIMNMX",
+            "SGXT", "LEA", "P2R", "R2P", "I2FP", "F2FP", "IABS", "VIADD", "VIADDMNMX", "BMSK",
+            "FCHK"},
+    "fma": {"FFMA", "FMUL", "FADD", "IMAD", "HFMA2", "HMUL2", "HADD2"},
+    "xu": {"MUFU", "I2F", "F2I", "FRND", "F2F"},
+}  # fmt: skip
+PIPE_CYCLES = {"alu": 2, "fma": 1, "xu": 8}
 SMS, SCHEDULERS, CLOCK_HZ, COPY_BYTES_S = 132, 4, 1.755e9, 3.0e12
 # An H100 SM's limits on resident programs: registers (allocated 256 a warp at a time),
 # warps, shared memory (228 KiB an SM, 1 KiB of it reserved a program) and programs.
@@ -176,6 +190,10 @@ def compile_launch(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         "shared_bytes": compiled.metadata.shared,
         # by opcode without modifiers (IMAD.WIDE.U32 -> IMAD): the mix of pipes a variant uses
         "opcodes": dict(Counter(op.split(".")[0] for op in ops).most_common()),
+        # instructions a program issues to each bounding pipe (PIPES)
+        "pipes": {
+            pipe: sum(op.split(".")[0] in names for op in ops) for pipe, names in PIPES.items()
+        },
     }
 
 
@@ -212,17 +230,27 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             resident = programs_per_sm(
                 stats["registers"], stats["num_warps"], stats["shared_bytes"]
             )
+            # a pipe's busy time: its warp instructions times its cycles each, over the schedulers
+            pipe_s = max(
+                n * stats["num_warps"] * programs * PIPE_CYCLES[pipe]
+                for pipe, n in stats["pipes"].items()
+            ) / (SMS * SCHEDULERS * CLOCK_HZ)
             row = {"case": name, "programs": programs, **stats, "programs_per_sm": resident,
                    "values_per_thread": x.numel() / (programs * stats["num_warps"] * 32),
                    "warp_instr_per_value": warp_instr / x.numel(),
-                   "issue_bound_us": issue_s * 1e6, "byte_bound_us": byte_s * 1e6}  # fmt: skip
+                   "alu_warp_instr_per_value":
+                       stats["pipes"]["alu"] * stats["num_warps"] * programs / x.numel(),
+                   "issue_bound_us": issue_s * 1e6, "pipe_bound_us": pipe_s * 1e6,
+                   "byte_bound_us": byte_s * 1e6}  # fmt: skip
             results.append(row)
             print(
                 f"{name[:40]:40s} {stats['kernel'][:28]:28s} sass {stats['instructions']:5d} "
                 f"regs {stats['registers']:3d} ({resident}/SM) spill {stats['spill_bytes']:4d} "
                 f"hash-mul {stats['hash_multiplies']:3d}{' loop' if stats['loops'] else ''}"
-                f"  {row['warp_instr_per_value']:.2f} warp-instr/value: issue "
-                f"{row['issue_bound_us']:.0f} us vs bytes {row['byte_bound_us']:.0f} us",
+                f"  {row['warp_instr_per_value']:.2f} warp-instr/value "
+                f"({row['alu_warp_instr_per_value']:.2f} ALU): issue "
+                f"{row['issue_bound_us']:.0f} us, pipes {row['pipe_bound_us']:.0f} us, bytes "
+                f"{row['byte_bound_us']:.0f} us",
                 flush=True,
             )
             if args.ops:
