@@ -72,8 +72,9 @@ CUBLAS_BF16_OUT = True
 # [tokens, hidden] FP32 tensor: there the fused kernel took 223 against 294 us (contraction
 # 2048), 98 against 175 us (512) and 426 against 469 us (4096) on an H100, and tied at 5632
 # (577 against 592 us; an H200 had it losing there, 559 against 545, and at 14336, 1387
-# against 1249; 2026-11-26, `bench_gemm.py --fp32-grad-input`, docs/KERNELS.md). Without alpha or bias (MXFP8) cuBLAS's product is the output as it is, with
-# no pass to save, so it stays there. 0: cuBLAS for every FP32 output.
+# against 1249; 2026-11-26, `bench_gemm.py --fp32-grad-input`, docs/KERNELS.md). Without
+# alpha or bias (MXFP8) cuBLAS's product is the output as it is, with no pass to save, so it
+# stays there. 0: cuBLAS for every FP32 output.
 FUSED_FP32_MAX_K = 4096
 
 

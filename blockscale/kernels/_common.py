@@ -81,6 +81,17 @@ def launch_tiles(cfg: tuple) -> tuple[int, int, dict]:
     return bm, bk, {"num_warps": warps, **({"maxnreg": cap[0]} if cap else {})}
 
 
+def launch_kind(row: bool, col: bool, dq: bool, sr: bool = False) -> str:
+    """The TILES key of a quantize launch: "row", "col" or "both", then "_dq" when it writes a
+    `_dq` operand. NVFP4's both-direction `_dq` launches with stochastic rounding have their own
+    key, "both_sr_dq" (their best tile differs, docs/KERNELS.md); the grouped and MXFP8
+    launchers pass sr=False."""
+    kind = "both" if row and col else ("col" if col else "row")
+    if kind == "both" and dq and sr:
+        return "both_sr_dq"
+    return kind + ("_dq" if dq else "")
+
+
 def sr_seed(device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
     """One int64 seed on `device` drawn from PyTorch's generator: torch.manual_seed reproduces
     it, and a CUDA graph records the draw, so replays get fresh noise without a host sync."""
@@ -95,12 +106,19 @@ def abs_bits(x):
 
 
 @triton.jit
-def round_to_bf16(x):
+def round_to_bf16(x, HW: tl.constexpr = False):
     """FP32 -> the FP32 value of its BF16 rounding (nearest, ties to even). NaN stays NaN
-    (the GPU's canonical NaN 0x7FFFFFFF would carry into the sign bit)."""
-    b = x.to(tl.int32, bitcast=True)
-    r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    return tl.where(x != x, x, r)
+    (the GPU's canonical NaN 0x7FFFFFFF would carry into the sign bit).
+    HW (on the GPU only: the interpreter's BF16 cast truncates): the hardware conversion, one
+    ALU operation for two values where the integer rounding takes about six a value, on the
+    pipe that bounds the quantize kernels (docs/KERNELS.md). The two differ only in a NaN's
+    payload."""
+    if HW:
+        return x.to(tl.bfloat16).to(tl.float32)
+    else:
+        b = x.to(tl.int32, bitcast=True)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, r)
 
 
 @triton.jit
@@ -112,10 +130,9 @@ def bf16_bits(x):
 
 @triton.jit
 def to_bf16_bits(x, HW: tl.constexpr):
-    """int16 bits of FP32 x rounded to BF16, nearest even. HW: the GPU's conversion (one
-    instruction for two values, where the integer rounding costs six bit operations a value on
-    the ALU pipe, which bounds the quantize kernels: docs/KERNELS.md); otherwise the integer
-    rounding (the interpreter's BF16 cast truncates). They differ only in a NaN's payload."""
+    """int16 bits of FP32 x rounded to BF16, nearest even (round_to_bf16, HW as there). The
+    hardware path converts straight to the bits: through round_to_bf16's FP32 result the
+    compiler keeps the widening and the shift (240 more SASS instructions in MXFP8 both + dq)."""
     if HW:
         return x.to(tl.bfloat16).to(tl.int16, bitcast=True)
     else:
@@ -219,16 +236,11 @@ def hadamard_16(
 ):
     """y = v16 @ H on every run of 16 values along the last dim of the [R, C] tile, then
     rounded to BF16 (returned as FP32). Products are exact; the FP32 accumulation equals the
-    FP64 reference whenever the partial sums are exact (see docs/KERNELS.md). HW: round with
-    the GPU's conversion (one ALU operation for two values, where round_to_bf16 takes about
-    six a value; the interpreter's cast truncates, so it needs HW False)."""
+    FP64 reference whenever the partial sums are exact (see docs/KERNELS.md). HW: the
+    rounding is the GPU's conversion (round_to_bf16)."""
     i = tl.arange(0, 16)
     h = tl.load(h_ptr + i[:, None] * 16 + i[None, :])
-    y = _dot16(v, h, R, C, DOT_F32)
-    if HW:
-        return y.to(tl.bfloat16).to(tl.float32)
-    else:
-        return round_to_bf16(y)
+    return round_to_bf16(_dot16(v, h, R, C, DOT_F32), HW)
 
 
 @triton.jit

@@ -44,6 +44,7 @@ from blockscale.kernels._common import (
     hadamard_16,
     hadamard_matrix,
     interpreting,
+    launch_kind,
     launch_tiles,
     nvfp4_global,
     sr_seed,
@@ -227,9 +228,7 @@ def _nvfp4_quantize_grouped_2d(
     data_t, scale_t, dq_c = nv._empty_like_spec(K, P, dev, dq_col) if col else nv._empty_like_spec(0, 0, dev, False)  # fmt: skip
     if P == 0 or K == 0 or not (row or col):
         return data, scale, dq_r, data_t, scale_t, dq_c
-    kind = ("both" if row and col else ("col" if col else "row")) + (
-        "_dq" if dq_row or dq_col else ""
-    )
+    kind = launch_kind(row, col, dq_row or dq_col)  # (one key for both roundings: TILES above)
     bm, bk, options = launch_tiles(TILES.get(f"nvfp4:{kind}", nv.TILES[kind]))
     torch.library.wrap_triton(_nvfp4_grouped_kernel)[(cdiv(P, bm), cdiv(K, bk))](
         x, x.stride(0), x.stride(1), source if source is not None else group, group, P, K, E,
@@ -262,9 +261,7 @@ def _mxfp8_quantize_grouped_2d(
     data, scale, dq_r = mx._outputs(M, K, dev, dq_row) if row else mx._outputs(0, 0, dev, False)
     data_t, scale_t, dq_c = mx._outputs(K, P, dev, dq_col) if col else mx._outputs(0, 0, dev, False)
     if P and K and (row or col):
-        kind = ("both" if row and col else ("col" if col else "row")) + (
-            "_dq" if dq_row or dq_col else ""
-        )
+        kind = launch_kind(row, col, dq_row or dq_col)
         bm, bk, options = launch_tiles(TILES.get(f"mxfp8:{kind}", mx.TILES[kind]))
         torch.library.wrap_triton(_mxfp8_grouped_kernel)[(cdiv(P, bm), cdiv(K, bk))](
             x, x.stride(0), x.stride(1), source if source is not None else data, P, K,

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from blockscale._library import library_op
-from blockscale.kernels._common import abs_bits, cdiv, min_keep_nan
+from blockscale.kernels._common import abs_bits, cdiv
 from blockscale.kernels.grouped_gemm import _find_group
 from blockscale.kernels.nvfp4 import _e2m1
 
@@ -112,8 +112,7 @@ def _codes_kernel(
     x, tiles, tile_ok, byte, byte_ok = _owned_region(flat_ptr, table_ptr, S, TILES, SEARCH_STEPS)
     enc = tl.load(enc_ptr + tiles, mask=tile_ok, other=0.0)
     w = tl.reshape(x, [16, TILES, 16]) * enc[None, :, None]
-    # _e2m1 takes the magnitudes clamped to 6 and gives the index in its low three bits
-    idx, _ = _e2m1(min_keep_nan(tl.abs(w), 6.0), 0.0, False, False)
+    idx, _ = _e2m1(w, 0.0, False, False)  # the index is in its low three bits
     # NaN scaled values (a NaN weight: its multipliers are NaN) give code 0, as the reference
     code = tl.where(w == w, (idx & 7) | ((w < 0.0).to(tl.int32) << 3), 0)
     lo, hi = tl.split(tl.reshape(code, [16, 8 * TILES, 2]))

@@ -27,6 +27,7 @@ from blockscale.kernels._common import (
     e4m3_round,
     exp2_int,
     interpreting,
+    launch_kind,
     launch_tiles,
     max_keep_nan,
     min_keep_nan,
@@ -213,10 +214,7 @@ def _mxfp8_quantize_2d(
     data, scale, dq_r = _outputs(M, K, dev, dq_row) if row else _outputs(0, 0, dev, False)
     data_t, scale_t, dq_c = _outputs(K, M, dev, dq_col) if col else _outputs(0, 0, dev, False)
     if M and K and (row or col):
-        kind = ("both" if row and col else ("col" if col else "row")) + (
-            "_dq" if dq_row or dq_col else ""
-        )
-        bm, bk, options = launch_tiles(TILES[kind])
+        bm, bk, options = launch_tiles(TILES[launch_kind(row, col, dq_row or dq_col)])
         grid = (cdiv(M, bm), cdiv(K, bk))
         torch.library.wrap_triton(_mxfp8_quantize_kernel)[grid](
             x, x.stride(0), x.stride(1), M, K, data, scale, dq_r.view(torch.int16), data_t, scale_t,

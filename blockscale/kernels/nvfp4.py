@@ -39,6 +39,7 @@ from blockscale.kernels._common import (
     hadamard_16,
     hadamard_matrix,
     interpreting,
+    launch_kind,
     launch_tiles,
     max_keep_nan,
     min_keep_nan,
@@ -133,10 +134,10 @@ def columnwise_base(rows: int, cols: int) -> int:
 
 
 @triton.jit
-def _e2m1(a, u, SR: tl.constexpr, DQ: tl.constexpr):
-    """Scaled FP32 magnitudes a in [0, 6] (or NaN) -> (int32 whose low three bits are the
-    magnitude index 0..7, FP32 magnitude on the grid when DQ), nearest-even or stochastic
-    (u: uniforms in [0, 1)). NaN gives garbage here; the caller zeroes NaN blocks.
+def _e2m1(w, u, SR: tl.constexpr, DQ: tl.constexpr):
+    """Scaled FP32 values -> (int32 whose low three bits are the magnitude index 0..7, FP32
+    magnitude on the grid when DQ), nearest-even or stochastic (u: uniforms in [0, 1)), of
+    a = min(|w|, 6). NaN gives garbage here; the caller zeroes NaN blocks.
 
     The grid has step 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6]: with 2^j the binade of max(a, 1)
     (j = 0, 1, 2; e = 127 + j the exponent field), y = a * 2^(1-j) puts the step at 1 (exact),
@@ -147,6 +148,7 @@ def _e2m1(a, u, SR: tl.constexpr, DQ: tl.constexpr):
     Written for the GPU's pipes (the ALU pipe bounds these kernels, docs/KERNELS.md): e is the
     high word of bits * 2^9 and 2^(1-j), 2^(j-1), 2j come from e by integer multiply-adds, all
     on the FMA pipe; one integer max is the only ALU operation here."""
+    a = min_keep_nan(tl.abs(w), 6.0)
     e = tl.maximum(tl.umulhi(a.to(tl.int32, bitcast=True), 512), 127)
     y = a * (0x7F800000 - e * 0x800000).to(tl.float32, bitcast=True)
     if SR:
@@ -180,7 +182,7 @@ def _quantize_tile(
     sval = e4m3_value(scode)
     enc = min_keep_nan(tl.math.div_rn(tl.full([R, NB], 1.0, tl.float32), sval * s_dec), FLT_MAX)
     w = vb * enc[:, :, None]
-    idx, mag = _e2m1(min_keep_nan(tl.abs(w), 6.0), u, SR, DQ)
+    idx, mag = _e2m1(w, u, SR, DQ)
     # A NaN block (NaN input or NaN amax) has NaN scaled values: codes 0, as the reference.
     # Per block, the index mask is 7, or 0 in a NaN block (whose w < 0 is false throughout),
     # so a code is one three-input bit operation: (idx & mask) | sign.
@@ -390,15 +392,6 @@ TILES = {
 }
 
 
-def tile_kind(row: bool, col: bool, dq: bool, sr: bool) -> str:
-    """The TILES key of a launch: direction(s), stochastic rounding (both directions with
-    `_dq` only), `_dq`."""
-    kind = "both" if row and col else ("col" if col else "row")
-    if kind == "both" and dq and sr:
-        return "both_sr_dq"
-    return kind + ("_dq" if dq else "")
-
-
 def _empty_like_spec(rows: int, cols: int, device, dq: bool):
     data = torch.empty(rows, cols // 2, dtype=torch.uint8, device=device)
     scale = torch.empty(rows, cols // BLOCK, dtype=torch.uint8, device=device)
@@ -442,7 +435,7 @@ def _nvfp4_quantize_2d(
         return data, scale, dq_r, data_t, scale_t, dq_c
     rand_given = rand_row is not None or rand_col is not None
     dummy = amax_row
-    kind = tile_kind(row, col, dq_row or dq_col, (row and row_sr) or (col and col_sr))
+    kind = launch_kind(row, col, dq_row or dq_col, (row and row_sr) or (col and col_sr))
     bm, bk, options = launch_tiles(TILES[kind])
     grid = (cdiv(M, bm), cdiv(K, bk))
     torch.library.wrap_triton(_nvfp4_quantize_kernel)[grid](
