@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     if args.json:
         record = {"benchmark": "grouped_mm", "banner": info, "copy_tbps": copy_bps / 1e12,
-                  "tiles": args.tiles, "kernel_tiles": args.kernel_tiles,
+                  "tiles": args.tiles, "kernel_tiles": args.kernel_tiles, "band": tiles.band(),
                   "rows": rows, "kernels": kernels,
                   "argv": sys.argv[1:] if argv is None else argv}  # fmt: skip
         harness.write_json(args.json, record)

@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                               "recompute_weight": not args.no_recompute_weight,
                               "cublas_bf16_out": dispatch.CUBLAS_BF16_OUT,
                               "fp32_fused_max_k": dispatch.FUSED_FP32_MAX_K,
-                              "replaced": args.replaced, "tiles": args.tiles,
+                              "replaced": args.replaced, "tiles": args.tiles, "band": tiles.band(),
                               "compile_mode": args.compile_mode, "rows": rows}  # fmt: skip
                     harness.write_json(args.out, record)
     add_ratios(rows)

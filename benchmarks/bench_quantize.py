@@ -277,6 +277,8 @@ def main() -> None:
     parser.add_argument(
         "--only", default="", help="comma-separated: only kernels whose name contains one"
     )
+    parser.add_argument("--shape", default="", help="ROWS,COLS of the BF16 input (default: "
+                        f"{SHAPE[0]},{SHAPE[1]})")  # fmt: skip
     replaced.add_arg(parser)
     tile_args.add_arg(parser)
     args = parser.parse_args()
@@ -285,6 +287,8 @@ def main() -> None:
     device = harness.pick_device(args.device)
     info = harness.banner(device)
     shape = QUICK_SHAPE if args.quick or device.type != "cuda" else SHAPE
+    if args.shape:
+        shape = tuple(int(v) for v in args.shape.split(","))
     warmup = args.warmup or (1 if args.quick else 5)
     reps = args.reps or (3 if args.quick else 50)
     x = make_input(shape, device)
@@ -305,6 +309,7 @@ def main() -> None:
                 "timing": "eager" if args.eager else "cuda graph replay",
                 "replaced": args.replaced,
                 "tiles_given": args.tiles,
+                "band": tile_args.band(),
                 "tiles": {k: list(v) for k, v in tiles.items()},
                 "rows": rows,
             },

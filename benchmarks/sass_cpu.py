@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         fn()
         for kernel, kargs, kwargs, grid in _Recorder.launches:
             stats = compile_launch(kernel, kargs, dict(kwargs))
-            programs = max(1, grid[0] * (grid[1] if len(grid) > 1 else 1))
+            programs = max(1, math.prod(grid))
             warp_instr = stats["instructions"] * stats["num_warps"] * programs
             issue_s = warp_instr / (SMS * SCHEDULERS * CLOCK_HZ)
             byte_s = nbytes / COPY_BYTES_S

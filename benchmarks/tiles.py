@@ -1,5 +1,8 @@
 """The quantize launchers' tile tables, set from a benchmark's command line.
 
+`--band N` sets the quantize grids' band (kernels/_common.py BAND: N row tiles, then the next
+column tile), so the old plain grid can be timed against the banded one in one process.
+
 `--tiles 'nvfp4.both_dq=64,64,4,128;grouped.nvfp4:both_dq=32,64,4'` sets entries of
 kernels.nvfp4.TILES, kernels.mxfp8.TILES, kernels.amax.TILES or kernels.grouped.TILES (the
 grouped kernels' overrides of the dense tables, keyed "nvfp4:KIND" / "mxfp8:KIND") before
@@ -68,9 +71,23 @@ def add_arg(parser) -> None:
         "--tiles", default="", metavar="TABLE.KEY=BM,BK,WARPS[,MAXNREG][;...]",
         help="override launch tiles (benchmarks/tiles.py), e.g. nvfp4.both_dq=64,64,4,128",
     )  # fmt: skip
+    parser.add_argument(
+        "--band", type=int, default=0, metavar="TILES",
+        help="row tiles a band of the quantize grids (kernels/_common.py BAND); 1073741824 "
+             "gives the plain grid used before 2026-11-26",
+    )  # fmt: skip
+
+
+def band() -> int:
+    """The quantize grids' band now in force (for a benchmark's JSON)."""
+    return importlib.import_module("blockscale.kernels._common").BAND
 
 
 def apply(args) -> list[tuple[str, str, tuple[int, ...]]]:
+    if getattr(args, "band", 0):
+        if args.band < 1:
+            raise SystemExit("--band: a band holds at least one row tile")
+        importlib.import_module("blockscale.kernels._common").BAND = args.band
     entries = parse(args.tiles)
     for table, key, cfg in entries:
         TABLES[table][key] = cfg

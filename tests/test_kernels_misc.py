@@ -290,3 +290,58 @@ def test_gemm_epilogue_op_schema():
     args = (acc, one, one, bias, out)
     utils = ("test_schema", "test_faketensor") if ON_GPU else ("test_schema",)
     torch.library.opcheck(torch.ops.blockscale.gemm_epilogue, args, test_utils=utils)
+
+
+# ----------------------------------------------------------------------------- grid order
+
+
+def _band_outputs(band: int, monkeypatch) -> list[torch.Tensor]:
+    """Every banded launch's outputs with `_common.BAND = band`, on shapes with more row
+    tiles than one band holds (the last band partly past the rows)."""
+    from blockscale.formats import grouped as G
+    from blockscale.kernels import _common
+    from blockscale.kernels import grouped as KG
+
+    monkeypatch.setattr(_common, "BAND", band)
+    x = randn(320, 96, seed=3, outliers=0.01)  # 10 row tiles of 32: bands of 3 end past the rows
+    amax, amax_t = kernels.amax(x), kernels.amax_hadamard_t(x)
+    torch.manual_seed(0)
+    (r, dr), (c, dc) = kernels.nvfp4_quantize_both(
+        x,
+        {"amax": amax, "rounding": "stochastic"},
+        {"hadamard": True, "amax": amax_t, "rounding": "stochastic"},
+        return_dq=True,
+    )
+    (m, dm), (mt, dmt) = kernels.mxfp8_quantize_both(x, return_dq=True)
+    offs = torch.tensor([40, 40, 200, x.shape[0]], dtype=torch.int32, device=DEV)
+    layout = G.token_layout(offs, x.shape[0])
+    g_amax, g_amax_t = KG.group_amax(x, layout, plain=True, hadamard=True)
+    (gr, gdr), (gt, gdt) = KG.nvfp4_quantize_grouped(
+        x, layout, rows="stochastic", tokens="stochastic", hadamard=True, return_dq=(True, True)
+    )
+    (xr, xdr), (xt, xdt) = KG.mxfp8_quantize_grouped(x, layout, True, True, (True, True))
+    out = [r.data, r.scale, dr, c.data, c.scale, dc, kernels.nvfp4_dequantize_dq(c)]
+    out += [m.data, m.scale, dm, mt.data, mt.scale, dmt, kernels.mxfp8_dequantize_dq(mt)]
+    out += [g_amax, g_amax_t, gr.data, gr.scale, gdr, gt.data, gt.scale, gdt]
+    out += [xr.data, xr.scale, xdr, xt.data, xt.scale, xdt]
+    return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in out]
+
+
+def test_band_order_gives_the_one_band_grids_bits(monkeypatch):
+    """The banded grid (kernels/_common.py) only reorders the programs: with bands of 3 row
+    tiles (the last band partly past the rows) every banded kernel writes exactly what the
+    old grid (one band of every row tile) wrote, stochastic rounding included."""
+    banded = _band_outputs(3, monkeypatch)
+    whole = _band_outputs(1 << 30, monkeypatch)
+    assert len(banded) == len(whole) == 28
+    for a, b in zip(banded, whole, strict=True):
+        exact(a, b)
+
+
+def test_band_grid_stays_within_the_grid_limits():
+    from blockscale.kernels._common import BAND, band_grid
+
+    assert band_grid(16384, 8192, 32, 64) == ((BAND, 128, 16384 // 32 // BAND), BAND)
+    assert band_grid(64, 64, 32, 64) == ((2, 1, 1), 2)  # fewer row tiles than a band
+    grid, band = band_grid(2**31, 16, 16, 16)  # 2^27 row tiles: bands grow past BAND
+    assert grid[2] <= 65535 and grid[0] * grid[2] >= 2**27 and band == grid[0]

@@ -39,7 +39,8 @@ from blockscale.kernels import mxfp8 as mx
 from blockscale.kernels import nvfp4 as nv
 from blockscale.kernels._common import (
     abs_bits,
-    cdiv,
+    band_grid,
+    band_tile,
     dot_in_fp32,
     hadamard_16,
     hadamard_matrix,
@@ -92,11 +93,12 @@ def _block_groups(group_ptr, p0, P, E, BM: tl.constexpr):
 @triton.jit
 def _group_amax_kernel(
     x_ptr, stride_m, stride_k, src_ptr, group_ptr, P, K, E, h_ptr, amax_ptr, amax_h_ptr,
-    PLAIN: tl.constexpr, HAD: tl.constexpr, GATHER: tl.constexpr, DOT_F32: tl.constexpr,
+    PLAIN: tl.constexpr, HAD: tl.constexpr, GATHER: tl.constexpr, band, DOT_F32: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    p0 = tl.program_id(0) * BM
-    k0 = tl.program_id(1) * BK
+    tile_p, tile_k = band_tile(band)
+    p0 = tile_p * BM
+    k0 = tile_k * BK
     x, _, _ = _load_positions(x_ptr, stride_m, stride_k, src_ptr, p0, k0, P, K, BM, BK, GATHER)
     g = _block_groups(group_ptr, p0, P, E, BM)
     if PLAIN:
@@ -117,11 +119,12 @@ def _nvfp4_grouped_kernel(
     data_ptr, scale_ptr, dq_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
     ROW: tl.constexpr, COL: tl.constexpr, ROW_2D: tl.constexpr, ROW_SR: tl.constexpr,
     COL_SR: tl.constexpr, COL_HAD: tl.constexpr, DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr,
-    GATHER: tl.constexpr, DOT_F32: tl.constexpr, HW: tl.constexpr, BM: tl.constexpr,
+    GATHER: tl.constexpr, band, DOT_F32: tl.constexpr, HW: tl.constexpr, BM: tl.constexpr,
     BK: tl.constexpr,
 ):  # fmt: skip
-    p0 = tl.program_id(0) * BM
-    k0 = tl.program_id(1) * BK
+    tile_p, tile_k = band_tile(band)
+    p0 = tile_p * BM
+    k0 = tile_k * BK
     x, src, valid = _load_positions(
         x_ptr, stride_m, stride_k, src_ptr, p0, k0, P, K, BM, BK, GATHER
     )
@@ -153,11 +156,12 @@ def _mxfp8_grouped_kernel(
     x_ptr, stride_m, stride_k, src_ptr, P, K,
     data_ptr, scale_ptr, dq_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
     ROW: tl.constexpr, COL: tl.constexpr, DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr,
-    HW_FP8: tl.constexpr, GATHER: tl.constexpr, DOT_F32: tl.constexpr,
+    HW_FP8: tl.constexpr, GATHER: tl.constexpr, band, DOT_F32: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    p0 = tl.program_id(0) * BM
-    k0 = tl.program_id(1) * BK
+    tile_p, tile_k = band_tile(band)
+    p0 = tile_p * BM
+    k0 = tile_k * BK
     x, src, valid = _load_positions(
         x_ptr, stride_m, stride_k, src_ptr, p0, k0, P, K, BM, BK, GATHER
     )
@@ -188,10 +192,12 @@ def _group_amax_2d(
     out = torch.zeros(2, groups, dtype=torch.int32, device=x.device)
     if P and K and groups:
         bm, bk, warps = AMAX_TILE
-        torch.library.wrap_triton(_group_amax_kernel)[(cdiv(P, bm), cdiv(K, bk))](
+        grid, band = band_grid(P, K, bm, bk)
+        torch.library.wrap_triton(_group_amax_kernel)[grid](
             x, x.stride(0), x.stride(1), source if source is not None else group, group, P, K,
             groups, hadamard_matrix(x.device), out[0], out[1],
-            PLAIN=plain, HAD=hadamard, GATHER=source is not None, DOT_F32=dot_in_fp32(x),
+            PLAIN=plain, HAD=hadamard, GATHER=source is not None, band=band,
+            DOT_F32=dot_in_fp32(x),
             BM=bm, BK=bk, num_warps=warps,
         )  # fmt: skip
     return out.view(torch.float32)
@@ -230,13 +236,14 @@ def _nvfp4_quantize_grouped_2d(
         return data, scale, dq_r, data_t, scale_t, dq_c
     kind = launch_kind(row, col, dq_row or dq_col)  # (one key for both roundings: TILES above)
     bm, bk, options = launch_tiles(TILES.get(f"nvfp4:{kind}", nv.TILES[kind]))
-    torch.library.wrap_triton(_nvfp4_grouped_kernel)[(cdiv(P, bm), cdiv(K, bk))](
+    grid, band = band_grid(P, K, bm, bk)
+    torch.library.wrap_triton(_nvfp4_grouped_kernel)[grid](
         x, x.stride(0), x.stride(1), source if source is not None else group, group, P, K, E,
         amax_row, amax_col, hadamard_matrix(dev), seed if seed is not None else amax_row,
         data, scale, dq_r.view(torch.int16), data_t, scale_t, dq_c.view(torch.int16),
         ROW=row, COL=col, ROW_2D=row_2d, ROW_SR=row_sr, COL_SR=col_sr, COL_HAD=col_hadamard,
-        DQ_ROW=dq_row, DQ_COL=dq_col, GATHER=source is not None, DOT_F32=dot_in_fp32(x),
-        HW=not interpreting(),
+        DQ_ROW=dq_row, DQ_COL=dq_col, GATHER=source is not None, band=band,
+        DOT_F32=dot_in_fp32(x), HW=not interpreting(),
         BM=bm, BK=bk, **options,
     )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c
@@ -263,11 +270,13 @@ def _mxfp8_quantize_grouped_2d(
     if P and K and (row or col):
         kind = launch_kind(row, col, dq_row or dq_col)
         bm, bk, options = launch_tiles(TILES.get(f"mxfp8:{kind}", mx.TILES[kind]))
-        torch.library.wrap_triton(_mxfp8_grouped_kernel)[(cdiv(P, bm), cdiv(K, bk))](
+        grid, band = band_grid(P, K, bm, bk)
+        torch.library.wrap_triton(_mxfp8_grouped_kernel)[grid](
             x, x.stride(0), x.stride(1), source if source is not None else data, P, K,
             data, scale, dq_r.view(torch.int16), data_t, scale_t, dq_c.view(torch.int16),
             ROW=row, COL=col, DQ_ROW=dq_row, DQ_COL=dq_col, HW_FP8=not interpreting(),
-            GATHER=source is not None, DOT_F32=dot_in_fp32(x), BM=bm, BK=bk, **options,
+            GATHER=source is not None, band=band, DOT_F32=dot_in_fp32(x), BM=bm, BK=bk,
+            **options,
         )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c
 

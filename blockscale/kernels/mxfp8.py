@@ -19,7 +19,8 @@ from blockscale.formats import _checks
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.kernels._common import (
     abs_bits,
-    cdiv,
+    band_grid,
+    band_tile,
     dot_in_fp32,
     dq_flags,
     e4m3_byte_value,
@@ -112,11 +113,12 @@ def _mxfp8_quantize_kernel(
     data_ptr, scale_ptr, dq_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
     ROW: tl.constexpr, COL: tl.constexpr, DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr,
     HW_FP8: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    band, DOT_F32: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    m0 = tl.program_id(0) * BM
-    k0 = tl.program_id(1) * BK
+    tile_m, tile_k = band_tile(band)
+    m0 = tile_m * BM
+    k0 = tile_k * BK
     offs_m = m0 + tl.arange(0, BM)
     offs_k = k0 + tl.arange(0, BK)
     mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
@@ -158,13 +160,15 @@ def quantize_columns_mx(
 
 @triton.jit
 def _mxfp8_dequantize_kernel(
-    data_ptr, scale_ptr, out_ptr, R, C, BR: tl.constexpr, BC: tl.constexpr, HW: tl.constexpr
-):
+    data_ptr, scale_ptr, out_ptr, R, C, band, BR: tl.constexpr, BC: tl.constexpr,
+    HW: tl.constexpr,
+):  # fmt: skip
     """E4M3 bytes + E8M0 scales -> BF16 data * 2^e (the `_dq` operand): the FP32 product is
     exact (a 4-bit significand times a power of two, down to 2^-136), then rounded to BF16
     as the reference's cast does (only values below 2^-133 round)."""
-    r0 = tl.program_id(0) * BR
-    c0 = tl.program_id(1) * BC
+    tile_r, tile_c = band_tile(band)
+    r0 = tile_r * BR
+    c0 = tile_c * BC
     rows = (r0 + tl.arange(0, BR)).to(tl.int64)
     cols = c0 + tl.arange(0, BC)
     m = (rows < R)[:, None] & (cols < C)[None, :]
@@ -215,11 +219,12 @@ def _mxfp8_quantize_2d(
     data_t, scale_t, dq_c = _outputs(K, M, dev, dq_col) if col else _outputs(0, 0, dev, False)
     if M and K and (row or col):
         bm, bk, options = launch_tiles(TILES[launch_kind(row, col, dq_row or dq_col)])
-        grid = (cdiv(M, bm), cdiv(K, bk))
+        grid, band = band_grid(M, K, bm, bk)
         torch.library.wrap_triton(_mxfp8_quantize_kernel)[grid](
             x, x.stride(0), x.stride(1), M, K, data, scale, dq_r.view(torch.int16), data_t, scale_t,
             dq_c.view(torch.int16),
-            ROW=row, COL=col, DQ_ROW=dq_row, DQ_COL=dq_col, HW_FP8=not interpreting(), DOT_F32=dot_in_fp32(x),
+            ROW=row, COL=col, DQ_ROW=dq_row, DQ_COL=dq_col, HW_FP8=not interpreting(), band=band,
+            DOT_F32=dot_in_fp32(x),
             BM=bm, BK=bk, **options,
         )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c
@@ -231,9 +236,9 @@ def _mxfp8_dequantize_2d(data: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     R, C = data.shape
     out = torch.empty(R, C, dtype=torch.bfloat16, device=data.device)
     if R and C:
-        grid = (cdiv(R, 32), cdiv(C, 128))
+        grid, band = band_grid(R, C, 32, 128)
         torch.library.wrap_triton(_mxfp8_dequantize_kernel)[grid](
-            data, scale, out.view(torch.int16), R, C, BR=32, BC=128, HW=not interpreting(),
+            data, scale, out.view(torch.int16), R, C, band, BR=32, BC=128, HW=not interpreting(),
             num_warps=4,
         )  # fmt: skip
     return out

@@ -29,8 +29,9 @@ from blockscale.formats.nvfp4 import BLOCKS, ROUNDINGS, NVFP4Tensor
 from blockscale.kernels._common import (
     FLT_MAX,
     abs_bits,
+    band_grid,
+    band_tile,
     bf16_bits,
-    cdiv,
     dot_in_fp32,
     dq_flags,
     e4m3_byte_value,
@@ -271,10 +272,11 @@ def _nvfp4_quantize_kernel(
     ROW: tl.constexpr, COL: tl.constexpr, ROW_2D: tl.constexpr, COL_2D: tl.constexpr,
     ROW_SR: tl.constexpr, COL_SR: tl.constexpr, COL_HAD: tl.constexpr,
     RAND_GIVEN: tl.constexpr, DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr,
-    DOT_F32: tl.constexpr, HW: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    band, DOT_F32: tl.constexpr, HW: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    m0 = tl.program_id(0) * BM
-    k0 = tl.program_id(1) * BK
+    tile_m, tile_k = band_tile(band)
+    m0 = tile_m * BM
+    k0 = tile_k * BK
     offs_m = m0 + tl.arange(0, BM)
     offs_k = k0 + tl.arange(0, BK)
     mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
@@ -337,11 +339,12 @@ def quantize_columns(
 
 @triton.jit
 def _nvfp4_dequantize_kernel(
-    data_ptr, scale_ptr, out_ptr, R, C, BR: tl.constexpr, BC: tl.constexpr
+    data_ptr, scale_ptr, out_ptr, R, C, band, BR: tl.constexpr, BC: tl.constexpr
 ):
     """Packed codes + E4M3 scales -> BF16 code * scale (the `_dq` operand)."""
-    r0 = tl.program_id(0) * BR
-    c0 = tl.program_id(1) * BC
+    tile_r, tile_c = band_tile(band)
+    r0 = tile_r * BR
+    c0 = tile_c * BC
     rows = (r0 + tl.arange(0, BR)).to(tl.int64)  # (a stack of expert weights: > 2^31 values)
     half = c0 // 2 + tl.arange(0, BC // 2)
     rmask = rows < R
@@ -437,7 +440,7 @@ def _nvfp4_quantize_2d(
     dummy = amax_row
     kind = launch_kind(row, col, dq_row or dq_col, (row and row_sr) or (col and col_sr))
     bm, bk, options = launch_tiles(TILES[kind])
-    grid = (cdiv(M, bm), cdiv(K, bk))
+    grid, band = band_grid(M, K, bm, bk)
     torch.library.wrap_triton(_nvfp4_quantize_kernel)[grid](
         x, x.stride(0), x.stride(1), M, K,
         amax_row, amax_col, hadamard_matrix(dev),
@@ -447,7 +450,7 @@ def _nvfp4_quantize_2d(
         data, scale, dq_r.view(torch.int16), data_t, scale_t, dq_c.view(torch.int16),
         ROW=row, COL=col, ROW_2D=row_2d, COL_2D=col_2d, ROW_SR=row_sr, COL_SR=col_sr,
         COL_HAD=col_hadamard, RAND_GIVEN=rand_given, DQ_ROW=dq_row, DQ_COL=dq_col,
-        DOT_F32=dot_in_fp32(x), HW=not interpreting(),
+        band=band, DOT_F32=dot_in_fp32(x), HW=not interpreting(),
         BM=bm, BK=bk, **options,
     )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c
@@ -460,9 +463,9 @@ def _nvfp4_dequantize_2d(data: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     C = half * 2
     out = torch.empty(R, C, dtype=torch.bfloat16, device=data.device)
     if R and C:
-        grid = (cdiv(R, 32), cdiv(C, 128))
+        grid, band = band_grid(R, C, 32, 128)
         torch.library.wrap_triton(_nvfp4_dequantize_kernel)[grid](
-            data, scale, out.view(torch.int16), R, C, BR=32, BC=128, num_warps=4
+            data, scale, out.view(torch.int16), R, C, band, BR=32, BC=128, num_warps=4
         )
     return out
 
