@@ -275,6 +275,35 @@ def test_group_amax_propagates_nan_and_inf_per_group():
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_group_amax_of_huge_values_and_odd_widths(dtype):
+    """Values past 2^123 in one group (the butterfly's exact re-read: its fast sums would
+    overflow where the reference's, scaled by 1/4 first, do not), a width that is not a
+    multiple of the kernel's 512 columns, and groups of 0, 1 and 117 tokens."""
+    kg = _library.kernels()
+    x, _, _, offs = _data([44, 0, 1, 117], 5, k=80)
+    x[50:60, 7] = 2.0**126
+    x[52, 9] = -(2.0**127)
+    x = x.to(dtype)
+    layout = G.token_layout(offs, x.shape[0])
+    plain, had = kg.group_amax(x, layout, plain=True, hadamard=True)
+    torch.testing.assert_close(plain, G.group_amax(x, offs), atol=0, rtol=0)
+    torch.testing.assert_close(had, G.group_amax(x, offs, hadamard_tokens=True), atol=0, rtol=0)
+    assert had[3] > 2.0**125 and had[1] == 0  # the huge group, and the empty one
+
+
+@pytest.mark.parametrize("n", [16, 48, 80])
+def test_expert_weight_amax_with_experts_inside_a_strip(n):
+    """Expert weights as [E*N, K] rows: with N below the amax kernel's 64-row strip, one strip
+    holds rows of several experts, each with its own amax."""
+    from blockscale.kernels import grouped as kgrp
+
+    w = torch.randn(5, n, 40, generator=torch.Generator().manual_seed(n))
+    w[3] *= 50.0
+    _, _, amax = kgrp._expert_rows(w.bfloat16())
+    torch.testing.assert_close(amax, w.bfloat16().float().abs().amax(dim=(1, 2)), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
 def test_dequantize_of_a_copy_with_no_tokens(fmt):
     """A per-expert linear over 0 tokens saves a [K, 0] token copy; its `_dq` is [K, 0]."""

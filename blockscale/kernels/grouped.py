@@ -41,20 +41,41 @@ from blockscale.kernels._common import (
     abs_bits,
     band_grid,
     band_tile,
+    cdiv,
     dot_in_fp32,
-    hadamard_16,
     hadamard_matrix,
     interpreting,
     launch_kind,
     launch_tiles,
+    max_keep_nan,
     nvfp4_global,
+    round_to_bf16,
     sr_seed,
+)
+from blockscale.kernels.amax import (
+    _FAST_BELOW as FAST_BELOW,
+)
+from blockscale.kernels.amax import (
+    _FLIPS as FLIPS,
+)
+from blockscale.kernels.amax import (
+    _SIGN_MASK as SIGN_MASK,
+)
+from blockscale.kernels.amax import (
+    _max_abs_16,
+    _rht16,
+    _rht16_max_abs_x4,
 )
 from blockscale.kernels.mxfp8 import _mx_tile, quantize_columns_mx, store_mx_rows
 from blockscale.kernels.nvfp4 import _quantize_tile, _uniforms, quantize_columns, store_rows
 
-# (BM, BK, num_warps) for the amax pass.
-AMAX_TILE = (64, 128, 4)
+# (BK, num_warps, 16-position blocks a program) for the amax pass: amax.py's fused kernel's
+# (512 columns, 4 warps, 4 blocks), which runs at 95% of copy on the H100 dense.
+AMAX_TILE = (512, 4, 4)
+# amax.py's butterfly constants, as constexprs a jit function can read
+_FLIPS = tl.constexpr(FLIPS)
+_SIGN_MASK = tl.constexpr(SIGN_MASK)
+_FAST_BELOW = tl.constexpr(FAST_BELOW)
 # The quantize passes use the dense kernels' TILES unless an entry here ("nvfp4:both_dq",
 # "mxfp8:both_dq", ...) overrides one: (BM, BK, num_warps[, maxnreg]), _common.launch_tiles.
 # The grouped kinds do not split stochastic rounding off (both_dq serves the forward and the
@@ -91,25 +112,84 @@ def _block_groups(group_ptr, p0, P, E, BM: tl.constexpr):
 
 
 @triton.jit
-def _group_amax_kernel(
-    x_ptr, stride_m, stride_k, src_ptr, group_ptr, P, K, E, h_ptr, amax_ptr, amax_h_ptr,
-    PLAIN: tl.constexpr, HAD: tl.constexpr, GATHER: tl.constexpr, band, DOT_F32: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr,
+def _load_16_positions(x_ptr, cols, kmask, stride_m, src_ptr, p,
+                       GATHER: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """Positions p .. p + 15 as a 16-tuple of FP32 row vectors (their columns `cols`): rows of
+    x through `source` (a padding position, source -1, reads zeros), or row p itself."""
+    xs = ()
+    for r in tl.static_range(16):
+        if GATHER:
+            s = tl.load(src_ptr + p + r).to(tl.int64)
+            v = tl.load(x_ptr + s * stride_m + cols, mask=kmask & (s >= 0), other=0.0)
+        elif EVEN_K:
+            v = tl.load(x_ptr + (p + r).to(tl.int64) * stride_m + cols)
+        else:
+            v = tl.load(x_ptr + (p + r).to(tl.int64) * stride_m + cols, mask=kmask, other=0.0)
+        xs = xs + (v.to(tl.float32),)
+    return xs
+
+
+@triton.jit
+def _group_amax_blocks(
+    x_ptr, cols, kmask, stride_m, src_ptr, p0, p_last, g, E, amax_ptr, amax_h_ptr,
+    PLAIN: tl.constexpr, HAD: tl.constexpr, GATHER: tl.constexpr, EVEN_K: tl.constexpr,
+    BK: tl.constexpr, COUNT: tl.constexpr,
 ):  # fmt: skip
-    tile_p, tile_k = band_tile(band)
-    p0 = tile_p * BM
-    k0 = tile_k * BK
-    x, _, _ = _load_positions(x_ptr, stride_m, stride_k, src_ptr, p0, k0, P, K, BM, BK, GATHER)
-    g = _block_groups(group_ptr, p0, P, E, BM)
+    """The COUNT 16-position blocks from p0 (past p_last: block p_last again; a max does not
+    mind duplicates), all of group g: their max |x| and max |Hadamard token copy|
+    atomically maxed into amax[g] (amax.py's butterfly and its exact re-read for values
+    past 2^123, Inf or NaN; the rounding to BF16 once, on the maximum)."""
+    acc = tl.zeros([BK], dtype=tl.float32)
+    acc_t = tl.zeros([BK], dtype=tl.float32)
+    for i in range(COUNT):
+        p = tl.minimum(p0 + 16 * i, p_last)
+        xs = _load_16_positions(x_ptr, cols, kmask, stride_m, src_ptr, p, GATHER, EVEN_K)
+        acc = max_keep_nan(acc, _max_abs_16(xs))
+        if HAD:
+            acc_t = tl.maximum(acc_t, _rht16_max_abs_x4(xs, _FLIPS))
+    big = tl.max(abs_bits(acc), axis=0)
     if PLAIN:
-        per_position = tl.max(abs_bits(x), axis=1)
-        tl.atomic_max(amax_ptr + g, tl.max(tl.reshape(per_position, [BM // 16, 16]), axis=1),
-                      mask=g < E)  # fmt: skip
+        tl.atomic_max(amax_ptr + g, big, mask=g < E)
     if HAD:
-        y = hadamard_16(tl.trans(x), h_ptr, BK, BM, DOT_F32)
-        per_position = tl.max(abs_bits(y), axis=0)
-        tl.atomic_max(amax_h_ptr + g, tl.max(tl.reshape(per_position, [BM // 16, 16]), axis=1),
+        if big >= _FAST_BELOW:
+            acc_t = tl.zeros([BK], dtype=tl.float32)
+            for i in range(COUNT):
+                p = tl.minimum(p0 + 16 * i, p_last)
+                xs = _load_16_positions(x_ptr, cols, kmask, stride_m, src_ptr, p, GATHER, EVEN_K)
+                acc_t = max_keep_nan(acc_t, _max_abs_16(_rht16(xs, _SIGN_MASK)))
+        else:
+            acc_t = acc_t * 0.25
+        tl.atomic_max(amax_h_ptr + g, tl.max(abs_bits(round_to_bf16(acc_t)), axis=0),
                       mask=g < E)  # fmt: skip
+
+
+@triton.jit
+def _group_amax_kernel(
+    x_ptr, stride_m, stride_k, src_ptr, group_ptr, P, K, E, amax_ptr, amax_h_ptr,
+    PLAIN: tl.constexpr, HAD: tl.constexpr, GATHER: tl.constexpr, EVEN_K: tl.constexpr,
+    BK: tl.constexpr, BLOCKS: tl.constexpr,
+):  # fmt: skip
+    """Each group's max |x| and max |Hadamard token copy| over a strip of BLOCKS 16-position
+    blocks by BK columns, each position's row one [BK] vector, so the 16 values a transform
+    mixes sit in one thread (amax.py's fused kernel, with the rows gathered). A strip inside
+    one group (always so for activations, whose segments are 64-aligned) takes one atomic
+    max per result; a strip across groups (expert weight rows with N < 64) one per block."""
+    cols = tl.program_id(0) * BK + tl.arange(0, BK)
+    kmask = cols < K
+    cols = cols * stride_k
+    p0 = tl.program_id(1) * (16 * BLOCKS)
+    p_last = tl.minimum(p0 + 16 * (BLOCKS - 1), P - 16)  # the strip's last block
+    g_first = tl.load(group_ptr + p0)
+    g_last = tl.load(group_ptr + p_last)
+    if g_first == g_last:
+        _group_amax_blocks(x_ptr, cols, kmask, stride_m, src_ptr, p0, p_last, g_first, E,
+                           amax_ptr, amax_h_ptr, PLAIN, HAD, GATHER, EVEN_K, BK, BLOCKS)  # fmt: skip
+    else:
+        for i in range(BLOCKS):
+            p = tl.minimum(p0 + 16 * i, p_last)
+            g = tl.load(group_ptr + p)
+            _group_amax_blocks(x_ptr, cols, kmask, stride_m, src_ptr, p, p, g, E, amax_ptr,
+                               amax_h_ptr, PLAIN, HAD, GATHER, EVEN_K, BK, 1)  # fmt: skip
 
 
 @triton.jit
@@ -190,15 +270,17 @@ def _group_amax_2d(
     M, K = x.shape
     P = source.shape[0] if source is not None else M
     out = torch.zeros(2, groups, dtype=torch.int32, device=x.device)
+    if P % 16:
+        raise ValueError(f"{P} positions is not a multiple of 16 (the group amax reads blocks)")
     if P and K and groups:
-        bm, bk, warps = AMAX_TILE
-        grid, band = band_grid(P, K, bm, bk)
+        bk, warps, blocks = AMAX_TILE
+        blocks = max(blocks, cdiv(P // 16, 65535))  # grid axis 1 is capped at 65535 strips
+        grid = (cdiv(K, bk), cdiv(P // 16, blocks))
         torch.library.wrap_triton(_group_amax_kernel)[grid](
             x, x.stride(0), x.stride(1), source if source is not None else group, group, P, K,
-            groups, hadamard_matrix(x.device), out[0], out[1],
-            PLAIN=plain, HAD=hadamard, GATHER=source is not None, band=band,
-            DOT_F32=dot_in_fp32(x),
-            BM=bm, BK=bk, num_warps=warps,
+            groups, out[0], out[1],
+            PLAIN=plain, HAD=hadamard, GATHER=source is not None, EVEN_K=K % bk == 0, BK=bk,
+            BLOCKS=blocks, num_warps=warps,
         )  # fmt: skip
     return out.view(torch.float32)
 
