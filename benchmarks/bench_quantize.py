@@ -129,6 +129,12 @@ def cases(x: torch.Tensor) -> list[tuple[str, str, Callable[[], Any], float]]:
             2 * nv1 - 2 * n + 4 * n,
         ),
         (
+            "nvfp4 both + row dq (forward input)",
+            "nvfp4:both_dq",
+            lambda: kernels.nvfp4_quantize_both(x, {"amax": amax}, col, return_dq=(True, False)),
+            2 * nv1 - 2 * n + 2 * n,
+        ),
+        (
             "nvfp4 both SR (grad_output) + dq",
             "nvfp4:both_sr_dq",
             lambda: kernels.nvfp4_quantize_both(

@@ -188,6 +188,8 @@ def compile_launch(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         "registers": resource("REG"),
         # a kernel's stack frame is its spilled registers (LOCAL reports only local arrays)
         "spill_bytes": resource("STACK") + resource("LOCAL"),
+        # a register cap the launch asked for (0: none); spills under a cap are chosen
+        "maxnreg": options.get("maxnreg", 0),
         "shared_bytes": compiled.metadata.shared,
         # by opcode without modifiers (IMAD.WIDE.U32 -> IMAD): the mix of pipes a variant uses
         "opcodes": dict(Counter(op.split(".")[0] for op in ops).most_common()),

@@ -37,11 +37,16 @@ def rows(tmp_path_factory):
 
 
 def test_every_kernel_compiles_for_sm90_without_spills(rows):
+    """No spills, except a few bytes where a launch caps its registers on purpose (the NVFP4
+    nearest both-direction `_dq` launch: 48 bytes for a fourth program an SM, measured
+    faster on the H100, kernels/nvfp4.py TILES)."""
     kernels = {r["kernel"] for r in rows}
     assert {"_nvfp4_quantize_kernel", "_mxfp8_quantize_kernel", "_amax_kernel"} <= kernels
     for r in rows:
         assert r["instructions"] > 100 and r["registers"] > 0, r
-        assert r["spill_bytes"] == 0, f"{r['case']}: {r['spill_bytes']} bytes of spills"
+        allowed = 64 if r["maxnreg"] else 0
+        assert r["spill_bytes"] <= allowed, f"{r['case']}: {r['spill_bytes']} bytes of spills"
+        assert not r["maxnreg"] or r["registers"] <= r["maxnreg"], r
 
 
 def test_stochastic_rounding_hashes_each_word_once_a_thread(rows):

@@ -383,14 +383,16 @@ def _nvfp4_dequantize_kernel(
 # rewrite of 2026-11-26 the both-direction `_dq` launches want different tiles with and
 # without stochastic rounding (H100 sweep, docs/KERNELS.md): nearest 64x64/4 (516 us against
 # 546 at 32x64/4; 501 with a 128-register cap, which spills), stochastic 32x64/4 (580 against
-# 737 at 64x64/4).
+# 737 at 64x64/4). The nearest one takes a 128-register cap since 2026-11-26 (later session):
+# 48 bytes of spill for a fourth program an SM, and the forward's input kernel (row `_dq`
+# only) 422 -> 404 us at 16384 x 8192 and 113 -> 108 us at 16384 x 2048 on the H100.
 TILES = {
     "row": (64, 128, 8),
     "row_dq": (32, 128, 8),
     "col": (64, 64, 4),
     "col_dq": (64, 64, 8),
     "both": (64, 64, 4),
-    "both_dq": (64, 64, 4),
+    "both_dq": (64, 64, 4, 128),
     "both_sr_dq": (32, 64, 4),
 }
 
