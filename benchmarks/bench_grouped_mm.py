@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         metavar="BM,BK,WARPS[,MAXNREG][;...]",
         help="with --kernels: time the per-group kernels once per tile given, set for the "
-        "nvfp4 and mxfp8 both-direction kinds (kernels.grouped.TILES)",
+        "nvfp4 and mxfp8 both-direction kinds, stochastic or not (kernels.grouped.TILES)",
     )
     replaced.add_arg(parser)
     tiles.add_arg(parser)
@@ -343,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.kernels:
         for cfg in kernel_tiles or [None]:
             if cfg is not None:  # both formats' both-direction launches (with and without dq)
-                for key in ("nvfp4:both", "nvfp4:both_dq", "mxfp8:both", "mxfp8:both_dq"):
+                for key in ("nvfp4:both", "nvfp4:both_dq", "nvfp4:both_sr_dq", "mxfp8:both",
+                            "mxfp8:both_dq"):  # fmt: skip
                     G_TILES[key] = cfg
             for k, _ in shapes.values():
                 for m in tokens:

@@ -250,7 +250,7 @@ def test_grouped_kernels_give_the_same_bits_at_any_tile(cfg, monkeypatch):
     from blockscale.kernels._common import launch_tiles
 
     monkeypatch.setattr(kgrp, "launch_tiles", recording)
-    for key in ("nvfp4:both_dq", "mxfp8:both_dq"):
+    for key in ("nvfp4:both_dq", "nvfp4:both_sr_dq", "mxfp8:both_dq"):
         monkeypatch.setitem(kgrp.TILES, key, cfg)
     got = copies()
     assert used == [cfg, cfg]
@@ -259,6 +259,26 @@ def test_grouped_kernels_give_the_same_bits_at_any_tile(cfg, monkeypatch):
     )
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=0, rtol=0)
+
+
+def test_grouped_stochastic_launches_take_their_own_tile(monkeypatch):
+    """The backward's stochastic both-direction launch has its own grouped tile (a register
+    cap that slowed the nearest forward launch on the H100), the forward's the nearest one."""
+    kg = _library.kernels()
+    from blockscale.kernels import grouped as kgrp
+    from blockscale.kernels._common import launch_tiles
+
+    used = []
+    monkeypatch.setattr(kgrp, "launch_tiles", lambda e: used.append(e) or launch_tiles(e))
+    x, _, _, offs = _data([20, 44], 0, k=32)
+    layout = G.token_layout(offs, x.shape[0])
+    for rounding in ("nearest", "stochastic"):
+        kg.nvfp4_quantize_grouped(
+            x.bfloat16(), layout, rows=rounding, tokens=rounding, hadamard=True,
+            return_dq=(True, True),
+        )  # fmt: skip
+    assert used == [kgrp.TILES["nvfp4:both_dq"], kgrp.TILES["nvfp4:both_sr_dq"]]
+    assert used[0] != used[1]
 
 
 def test_group_amax_propagates_nan_and_inf_per_group():

@@ -112,8 +112,8 @@ def launch_tiles(cfg: tuple) -> tuple[int, int, dict]:
 def launch_kind(row: bool, col: bool, dq: bool, sr: bool = False) -> str:
     """The TILES key of a quantize launch: "row", "col" or "both", then "_dq" when it writes a
     `_dq` operand. NVFP4's both-direction `_dq` launches with stochastic rounding have their own
-    key, "both_sr_dq" (their best tile differs, docs/KERNELS.md); the grouped and MXFP8
-    launchers pass sr=False."""
+    key, "both_sr_dq" (their best tile differs, docs/KERNELS.md), dense and grouped alike; the
+    MXFP8 launchers pass sr=False."""
     kind = "both" if row and col else ("col" if col else "row")
     if kind == "both" and dq and sr:
         return "both_sr_dq"

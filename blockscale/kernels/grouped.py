@@ -78,10 +78,12 @@ _SIGN_MASK = tl.constexpr(SIGN_MASK)
 _FAST_BELOW = tl.constexpr(FAST_BELOW)
 # The quantize passes use the dense kernels' TILES unless an entry here ("nvfp4:both_dq",
 # "mxfp8:both_dq", ...) overrides one: (BM, BK, num_warps[, maxnreg]), _common.launch_tiles.
-# The grouped kinds do not split stochastic rounding off (both_dq serves the forward and the
-# SR backward), so both_dq keeps the tile the 2026-11-25 late sweep chose for the grouped
-# backward; bench_grouped_mm.py --kernel-tiles sweeps these.
-TILES: dict[str, tuple] = {"nvfp4:both_dq": (32, 64, 4)}
+# NVFP4's both-direction `_dq` launches keep 32x64/4 (the 2026-11-25 late sweep; the dense
+# nearest launch moved to 64x64/4 since), and the stochastic one, the backward, caps its
+# registers at 96 for a fifth program an SM, no spills: on the H100 (2026-11-26, later
+# session) 1163 -> 1068 us at 32768 x 7168 and 2277 -> 2076 us at 65536 x 7168, where the
+# same cap slowed the forward (792 -> 855 us). bench_grouped_mm.py --kernel-tiles sweeps these.
+TILES: dict[str, tuple] = {"nvfp4:both_dq": (32, 64, 4), "nvfp4:both_sr_dq": (32, 64, 4, 96)}
 
 
 @triton.jit
@@ -316,7 +318,7 @@ def _nvfp4_quantize_grouped_2d(
     data_t, scale_t, dq_c = nv._empty_like_spec(K, P, dev, dq_col) if col else nv._empty_like_spec(0, 0, dev, False)  # fmt: skip
     if P == 0 or K == 0 or not (row or col):
         return data, scale, dq_r, data_t, scale_t, dq_c
-    kind = launch_kind(row, col, dq_row or dq_col)  # (one key for both roundings: TILES above)
+    kind = launch_kind(row, col, dq_row or dq_col, (row and row_sr) or (col and col_sr))
     bm, bk, options = launch_tiles(TILES.get(f"nvfp4:{kind}", nv.TILES[kind]))
     grid, band = band_grid(P, K, bm, bk)
     torch.library.wrap_triton(_nvfp4_grouped_kernel)[grid](
