@@ -343,5 +343,8 @@ def test_band_grid_stays_within_the_grid_limits():
 
     assert band_grid(16384, 8192, 32, 64) == ((BAND, 128, 16384 // 32 // BAND), BAND)
     assert band_grid(64, 64, 32, 64) == ((2, 1, 1), 2)  # fewer row tiles than a band
+    # 10 row tiles: two bands of 5, no program past the rows
+    assert band_grid(320, 64, 32, 64) == ((5, 1, 2), 5)
+    assert band_grid(0, 64, 32, 64)[0][0] >= 1
     grid, band = band_grid(2**31, 16, 16, 16)  # 2^27 row tiles: bands grow past BAND
     assert grid[2] <= 65535 and grid[0] * grid[2] >= 2**27 and band == grid[0]

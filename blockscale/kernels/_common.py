@@ -41,11 +41,12 @@ BAND = 8
 
 
 def band_grid(rows: int, cols: int, bm: int, bk: int) -> tuple[tuple[int, int, int], int]:
-    """(grid, band) for a kernel that finds its tile with `band_tile`: BAND row tiles a band
-    (fewer if the tensor has fewer; more if the bands would pass the grid's 65535 limit on
-    its third axis)."""
+    """(grid, band) for a kernel that finds its tile with `band_tile`: cdiv(num_m, BAND) bands
+    of equal size (at most BAND row tiles, so the last band wastes fewer than one program a
+    band; larger if the bands would pass the grid's 65535 limit on its third axis)."""
     num_m, num_k = cdiv(rows, bm), cdiv(cols, bk)
-    band = max(min(BAND, num_m), cdiv(num_m, 65535), 1)
+    bands = max(1, min(cdiv(num_m, BAND), 65535))
+    band = max(1, cdiv(num_m, bands))
     return (band, num_k, cdiv(num_m, band)), band
 
 
