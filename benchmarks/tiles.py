@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 
+_common = importlib.import_module("blockscale.kernels._common")
 TABLES = {
     name: importlib.import_module(f"blockscale.kernels.{name}").TILES
     for name in ("amax", "nvfp4", "mxfp8", "grouped")
@@ -80,14 +81,14 @@ def add_arg(parser) -> None:
 
 def band() -> int:
     """The quantize grids' band now in force (for a benchmark's JSON)."""
-    return importlib.import_module("blockscale.kernels._common").BAND
+    return _common.BAND
 
 
 def apply(args) -> list[tuple[str, str, tuple[int, ...]]]:
-    if getattr(args, "band", 0):
+    if args.band:
         if args.band < 1:
             raise SystemExit("--band: a band holds at least one row tile")
-        importlib.import_module("blockscale.kernels._common").BAND = args.band
+        _common.BAND = args.band
     entries = parse(args.tiles)
     for table, key, cfg in entries:
         TABLES[table][key] = cfg

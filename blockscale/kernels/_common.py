@@ -28,14 +28,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# The order programs walk a [rows, cols] tensor in tiles (docs/KERNELS.md, "Grid order"):
-# BAND row tiles down the rows, then the next column tile, band after band. The plain 2-D grid
-# walked every row tile of a column before the next column, so each program's row segments
-# (and the row copy's code, scale and `_dq` rows) met their neighbours along the row only
-# num_m programs later; past ~32k rows those writes and reads left L2 half used. Measured on
-# the H100 (2026-11-26): bands of 4-16 row tiles were 2-10% faster at the step's shapes and
-# 15-29% faster at 65536 x 7168; walking whole rows first (one tile a band) was slower for
-# the columnwise copies. BAND is a module value so a benchmark can put the old order back
+# The order programs walk a [rows, cols] tensor in tiles (docs/KERNELS.md, "2026-11-26 (late):
+# the order of the grid"): a band of row tiles down the rows, then the next column tile, band
+# after band. The plain 2-D grid walked every row tile of a column before the next column, so
+# each program's row segments (and the row copy's code, scale and `_dq` rows) met their
+# neighbours along the row only num_m programs later. Measured on the H100 (2026-11-26): bands
+# of 4-16 row tiles were up to 8% faster at 16384 x 8192 and 15-29% faster at 65536 x 7168;
+# walking whole rows first (one tile a band) was slower for the stochastic both-direction
+# kernel at 8192-16384 rows. BAND is a module value so a benchmark can put the old order back
 # (a band of 2^30 tiles is the old grid).
 BAND = 8
 

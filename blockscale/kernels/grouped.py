@@ -53,15 +53,9 @@ from blockscale.kernels._common import (
     sr_seed,
 )
 from blockscale.kernels.amax import (
-    _FAST_BELOW as FAST_BELOW,
-)
-from blockscale.kernels.amax import (
-    _FLIPS as FLIPS,
-)
-from blockscale.kernels.amax import (
-    _SIGN_MASK as SIGN_MASK,
-)
-from blockscale.kernels.amax import (
+    _FAST_BELOW,
+    _FLIPS,
+    _SIGN_MASK,
     _max_abs_16,
     _rht16,
     _rht16_max_abs_x4,
@@ -72,10 +66,6 @@ from blockscale.kernels.nvfp4 import _quantize_tile, _uniforms, quantize_columns
 # (BK, num_warps, 16-position blocks a program) for the amax pass: amax.py's fused kernel's
 # (512 columns, 4 warps, 4 blocks), which runs at 95% of copy on the H100 dense.
 AMAX_TILE = (512, 4, 4)
-# amax.py's butterfly constants, as constexprs a jit function can read
-_FLIPS = tl.constexpr(FLIPS)
-_SIGN_MASK = tl.constexpr(SIGN_MASK)
-_FAST_BELOW = tl.constexpr(FAST_BELOW)
 # The quantize passes use the dense kernels' TILES unless an entry here ("nvfp4:both_dq",
 # "mxfp8:both_dq", ...) overrides one: (BM, BK, num_warps[, maxnreg]), _common.launch_tiles.
 # NVFP4's both-direction `_dq` launches keep 32x64/4 (the 2026-11-25 late sweep; the dense
@@ -135,7 +125,8 @@ def _load_16_positions(x_ptr, cols, kmask, stride_m, src_ptr, p,
 def _group_amax_blocks(
     x_ptr, cols, kmask, stride_m, src_ptr, p0, p_last, g, E, amax_ptr, amax_h_ptr,
     PLAIN: tl.constexpr, HAD: tl.constexpr, GATHER: tl.constexpr, EVEN_K: tl.constexpr,
-    BK: tl.constexpr, COUNT: tl.constexpr,
+    SIGN_MASK: tl.constexpr, FLIPS: tl.constexpr, FAST_BELOW: tl.constexpr, BK: tl.constexpr,
+    COUNT: tl.constexpr,
 ):  # fmt: skip
     """The COUNT 16-position blocks from p0 (past p_last: block p_last again; a max does not
     mind duplicates), all of group g: their max |x| and max |Hadamard token copy|
@@ -148,17 +139,17 @@ def _group_amax_blocks(
         xs = _load_16_positions(x_ptr, cols, kmask, stride_m, src_ptr, p, GATHER, EVEN_K)
         acc = max_keep_nan(acc, _max_abs_16(xs))
         if HAD:
-            acc_t = tl.maximum(acc_t, _rht16_max_abs_x4(xs, _FLIPS))
+            acc_t = tl.maximum(acc_t, _rht16_max_abs_x4(xs, FLIPS))
     big = tl.max(abs_bits(acc), axis=0)
     if PLAIN:
         tl.atomic_max(amax_ptr + g, big, mask=g < E)
     if HAD:
-        if big >= _FAST_BELOW:
+        if big >= FAST_BELOW:
             acc_t = tl.zeros([BK], dtype=tl.float32)
             for i in range(COUNT):
                 p = tl.minimum(p0 + 16 * i, p_last)
                 xs = _load_16_positions(x_ptr, cols, kmask, stride_m, src_ptr, p, GATHER, EVEN_K)
-                acc_t = max_keep_nan(acc_t, _max_abs_16(_rht16(xs, _SIGN_MASK)))
+                acc_t = max_keep_nan(acc_t, _max_abs_16(_rht16(xs, SIGN_MASK)))
         else:
             acc_t = acc_t * 0.25
         tl.atomic_max(amax_h_ptr + g, tl.max(abs_bits(round_to_bf16(acc_t)), axis=0),
@@ -169,7 +160,8 @@ def _group_amax_blocks(
 def _group_amax_kernel(
     x_ptr, stride_m, stride_k, src_ptr, group_ptr, P, K, E, amax_ptr, amax_h_ptr,
     PLAIN: tl.constexpr, HAD: tl.constexpr, GATHER: tl.constexpr, EVEN_K: tl.constexpr,
-    BK: tl.constexpr, BLOCKS: tl.constexpr,
+    SIGN_MASK: tl.constexpr, FLIPS: tl.constexpr, FAST_BELOW: tl.constexpr, BK: tl.constexpr,
+    BLOCKS: tl.constexpr,
 ):  # fmt: skip
     """Each group's max |x| and max |Hadamard token copy| over a strip of BLOCKS 16-position
     blocks by BK columns, each position's row one [BK] vector, so the 16 values a transform
@@ -185,13 +177,15 @@ def _group_amax_kernel(
     g_last = tl.load(group_ptr + p_last)
     if g_first == g_last:
         _group_amax_blocks(x_ptr, cols, kmask, stride_m, src_ptr, p0, p_last, g_first, E,
-                           amax_ptr, amax_h_ptr, PLAIN, HAD, GATHER, EVEN_K, BK, BLOCKS)  # fmt: skip
+                           amax_ptr, amax_h_ptr, PLAIN, HAD, GATHER, EVEN_K, SIGN_MASK, FLIPS,
+                           FAST_BELOW, BK, BLOCKS)  # fmt: skip
     else:
         for i in range(BLOCKS):
             p = tl.minimum(p0 + 16 * i, p_last)
             g = tl.load(group_ptr + p)
             _group_amax_blocks(x_ptr, cols, kmask, stride_m, src_ptr, p, p, g, E, amax_ptr,
-                               amax_h_ptr, PLAIN, HAD, GATHER, EVEN_K, BK, 1)  # fmt: skip
+                               amax_h_ptr, PLAIN, HAD, GATHER, EVEN_K, SIGN_MASK, FLIPS,
+                               FAST_BELOW, BK, 1)  # fmt: skip
 
 
 @triton.jit
@@ -281,8 +275,9 @@ def _group_amax_2d(
         torch.library.wrap_triton(_group_amax_kernel)[grid](
             x, x.stride(0), x.stride(1), source if source is not None else group, group, P, K,
             groups, out[0], out[1],
-            PLAIN=plain, HAD=hadamard, GATHER=source is not None, EVEN_K=K % bk == 0, BK=bk,
-            BLOCKS=blocks, num_warps=warps,
+            PLAIN=plain, HAD=hadamard, GATHER=source is not None, EVEN_K=K % bk == 0,
+            SIGN_MASK=_SIGN_MASK, FLIPS=_FLIPS, FAST_BELOW=_FAST_BELOW, BK=bk, BLOCKS=blocks,
+            num_warps=warps,
         )  # fmt: skip
     return out.view(torch.float32)
 

@@ -147,8 +147,8 @@ def _e2m1(w, u, SR: tl.constexpr, DQ: tl.constexpr):
     of the sum are r + 2. Stochastic: ceil(y - u) = floor(y) + [u < frac(y)], the reference's
     rule, and y - u is exact wherever it decides the ceiling (docs/KERNELS.md).
     Written for the GPU's pipes (the ALU pipe bounds these kernels, docs/KERNELS.md): e is the
-    high word of bits * 2^9 and 2^(1-j), 2^(j-1), 2j come from e by integer multiply-adds, all
-    on the FMA pipe; one integer max is the only ALU operation here."""
+    high word of bits * 2^9 and 2^(1-j), 2^(j-1), 2j come from e by integer multiply-adds, on
+    the FMA pipe; the clamp to 6 and the integer max are the ALU operations here."""
     a = min_keep_nan(tl.abs(w), 6.0)
     e = tl.maximum(tl.umulhi(a.to(tl.int32, bitcast=True), 512), 127)
     y = a * (0x7F800000 - e * 0x800000).to(tl.float32, bitcast=True)
