@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from blockscale import kernels
-from blockscale.formats import hadamard, nvfp4
+from blockscale.formats import e2m1, hadamard, nvfp4
 from blockscale.kernels import nvfp4 as nvfp4_kernels
 from blockscale.kernels._common import sr_seed
 
@@ -199,6 +199,38 @@ def test_stochastic_decision_rule_matches_reference(mode):
     q, dq = kernels.nvfp4_quantize(x, rounding="stochastic", rand=u, return_dq=True, **mode)
     assert_same(q, r)
     assert_bits(dq, r.dq())
+
+
+def test_stochastic_rounds_subnormal_scaled_values_up():
+    """With u = 0 stochastic rounding is the ceiling, so a scaled value below FP32's smallest
+    normal (2^-126) rounds up to 0.5, as e2m1.round_stochastic does. On the GPU Triton's
+    `tl.ceil` is `cvt.rpi.ftz`, which flushed such a value to 0 first and coded it 0; the
+    kernels now round with `add.rp.f32` (kernels/nvfp4.py `add_rp`), which keeps subnormals
+    (test_sass_cpu checks that no flushing instruction comes back). The interpreter has no
+    flush, so on the CPU this checks the rule and on the GPU it checks the instruction."""
+    amax = torch.tensor(2688.0, device=DEV)  # S_enc = 1, and a 6 in a block makes its scale 1
+    tiny = [2.0**-133, -(2.0**-133), 2.0**-130, 2.0**-127, -(2.0**-127), 2.0**-126, 3 * 2.0**-128]
+    block = [6.0, *tiny, 0.0, -0.0, 1e-30, 0.3, -0.3, 2.25, -5.5, 1.0]
+    # FP32 input: the interpreter's BF16 -> FP32 conversion flushes BF16 subnormals
+    x = torch.tensor(block, dtype=torch.float32, device=DEV).repeat(16, 2)
+    v = x.float().reshape(16, 2, 16)  # the scaled values (enc = 1)
+    assert (v.abs() < 2.0**-126).sum() > 0 and (v.abs() * 2 < 2.0**-126).sum() > 0
+    u = torch.zeros(16, 2, 16, device=DEV)
+    want = e2m1.pack(e2m1.round_stochastic(v, u).reshape(16, 32))
+    assert want.view(-1)[0] & 0xF0 == 0x10  # 2^-133 (scaled by enc = 1) rounds up to 0.5
+    for mode in (dict(), dict(block="16x16")):
+        q, dq = kernels.nvfp4_quantize(
+            x, rounding="stochastic", rand=u, amax=amax, return_dq=True, **mode
+        )
+        torch.testing.assert_close(q.data, want, atol=0, rtol=0)
+        assert_bits(dq, nvfp4.NVFP4Tensor(q.data, q.scale, q.amax, q.shape, q.block).dq())
+    # the both-direction kernel (grad_output's launch: both copies stochastic, with `_dq`)
+    u_col = torch.zeros(32, 16, device=DEV)
+    data, *_ = nvfp4_kernels._nvfp4_quantize_2d(
+        x, amax, amax, None, u.reshape(16, 32), u_col, row=True, col=True, row_2d=False,
+        col_2d=False, row_sr=True, col_sr=True, col_hadamard=False, dq_row=True, dq_col=True,
+    )  # fmt: skip
+    torch.testing.assert_close(data, want, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("mode", [dict(), dict(transpose=True, hadamard=True)])

@@ -22,6 +22,7 @@ position, keyed by one seed a launch drawn from PyTorch's generator into a devic
 import torch
 import triton
 import triton.language as tl
+from triton.language import core
 
 from blockscale._library import library_op
 from blockscale.formats import _checks
@@ -134,8 +135,20 @@ def columnwise_base(rows: int, cols: int) -> int:
     return -(-rows // 16) * 16 * (cols // 16)
 
 
+@core.extern
+def add_rp(a, b, _semantic=None):
+    """FP32 a + b rounded up (toward +inf), subnormal operands kept: PTX `add.rp.f32`, called
+    as LLVM's NVPTX intrinsic. libdevice's `add_ru` would be `add.rp.ftz.f32` (Triton builds
+    with FTZ reflection), and inline assembly would fence the scheduler (docs/KERNELS.md)."""
+    return core.extern_elementwise(
+        "", "", [a, b],
+        {(core.float32, core.float32): ("llvm.nvvm.add.rp.f", core.float32)},
+        is_pure=True, _semantic=_semantic,
+    )  # fmt: skip
+
+
 @triton.jit
-def _e2m1(w, u, SR: tl.constexpr, DQ: tl.constexpr):
+def _e2m1(w, u, SR: tl.constexpr, DQ: tl.constexpr, HW: tl.constexpr = False):
     """Scaled FP32 values -> (int32 whose low three bits are the magnitude index 0..7, FP32
     magnitude on the grid when DQ), nearest-even or stochastic (u: uniforms in [0, 1)), of
     a = min(|w|, 6). NaN gives garbage here; the caller zeroes NaN blocks.
@@ -145,7 +158,11 @@ def _e2m1(w, u, SR: tl.constexpr, DQ: tl.constexpr):
     so rounding y to an integer r is rounding a to the grid, and index = r + 2j.
     Nearest: adding 1.5 * 2^23 (+ 2) rounds y to an integer with ties to even, and the low bits
     of the sum are r + 2. Stochastic: ceil(y - u) = floor(y) + [u < frac(y)], the reference's
-    rule, and y - u is exact wherever it decides the ceiling (docs/KERNELS.md).
+    rule, and y - u is exact wherever it decides the ceiling (docs/KERNELS.md); on the GPU
+    (HW) ceil(y - u) + 1.5 * 2^23 + 2 is one add rounded up (`add_rp`): the sum lies in
+    [2^23, 2^24), where the FP32 step is 1. `tl.ceil` is `cvt.rpi.ftz` there, which flushed a
+    subnormal y - u (u = 0 and a below 2^-127) to 0 and so coded it 0 where the reference
+    rounds it up to 0.5 (test_stochastic_rounds_subnormal_scaled_values_up, H100).
     Written for the GPU's pipes (the ALU pipe bounds these kernels, docs/KERNELS.md): e is the
     high word of bits * 2^9 and 2^(1-j), 2^(j-1), 2j come from e by integer multiply-adds, on
     the FMA pipe; the clamp to 6 and the integer max are the ALU operations here."""
@@ -153,7 +170,10 @@ def _e2m1(w, u, SR: tl.constexpr, DQ: tl.constexpr):
     e = tl.maximum(tl.umulhi(a.to(tl.int32, bitcast=True), 512), 127)
     y = a * (0x7F800000 - e * 0x800000).to(tl.float32, bitcast=True)
     if SR:
-        t = tl.ceil(y - u) + 12582914.0
+        if HW:
+            t = add_rp(y - u, 12582914.0)
+        else:
+            t = tl.ceil(y - u) + 12582914.0
     else:
         t = y + 12582914.0
     # bits(t) = 0x4B400000 + r + 2, so bits(t) + 2e = 0x4B400100 + index: the low three bits
@@ -168,7 +188,7 @@ def _e2m1(w, u, SR: tl.constexpr, DQ: tl.constexpr):
 @triton.jit
 def _quantize_tile(
     v, s_dec, mult, u, R: tl.constexpr, C: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr,
-    DQ: tl.constexpr,
+    DQ: tl.constexpr, HW: tl.constexpr = False,
 ):  # fmt: skip
     """An FP32 [R, C] tile, blocks of 16 along C -> (packed uint8 [R, C/2], E4M3 scale codes
     uint8 [R, C/16], FP32 dq [R, C] = code value * scale, whether every value was finite)."""
@@ -183,7 +203,7 @@ def _quantize_tile(
     sval = e4m3_value(scode)
     enc = min_keep_nan(tl.math.div_rn(tl.full([R, NB], 1.0, tl.float32), sval * s_dec), FLT_MAX)
     w = vb * enc[:, :, None]
-    idx, mag = _e2m1(w, u, SR, DQ)
+    idx, mag = _e2m1(w, u, SR, DQ, HW)
     # A NaN block (NaN input or NaN amax) has NaN scaled values: codes 0, as the reference.
     # Per block, the index mask is 7, or 0 in a NaN block (whose w < 0 is false throughout),
     # so a code is one three-input bit operation: (idx & mask) | sign.
@@ -287,7 +307,7 @@ def _nvfp4_quantize_kernel(
         s_dec, mult = nvfp4_global(tl.load(amax_row_ptr))
         u = _uniforms(seed_ptr, rand_row_ptr, m0, k0, M, K, 0, BM, BK, ROW_SR, RAND_GIVEN, False)
         packed, scode, dq, _ = _quantize_tile(
-            x.to(tl.float32), s_dec, mult, u, BM, BK, ROW_2D, ROW_SR, DQ_ROW
+            x.to(tl.float32), s_dec, mult, u, BM, BK, ROW_2D, ROW_SR, DQ_ROW, HW
         )
         _store_quantized(
             packed, scode, dq, data_ptr, scale_ptr, dq_ptr, m0, k0, M, K, BM, BK, DQ_ROW
@@ -319,7 +339,7 @@ def quantize_columns(
     else:
         vt = relayout_16(xt, BK, BM, DOT_F32)
     packed_t, scode_t, dq_t, finite = _quantize_tile(
-        vt, s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR, DQ_COL
+        vt, s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR, DQ_COL, HW
     )
     if COL_HAD or finite:
         _store_quantized(
@@ -329,7 +349,7 @@ def quantize_columns(
     else:
         # Inf * 0 in the identity product made NaN: redo this tile from the plain transpose.
         packed_t, scode_t, dq_t, _ = _quantize_tile(
-            xt.to(tl.float32), s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR, DQ_COL
+            xt.to(tl.float32), s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR, DQ_COL, HW
         )
         _store_quantized(
             packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
@@ -386,6 +406,11 @@ def _nvfp4_dequantize_kernel(
 # 737 at 64x64/4). The nearest one takes a 128-register cap since 2026-11-26 (later session):
 # 48 bytes of spill for a fourth program an SM, and the forward's input kernel (row `_dq`
 # only) 422 -> 404 us at 16384 x 8192 and 113 -> 108 us at 16384 x 2048 on the H100.
+# The stochastic one takes an 80-register cap since the rounding became one `add_rp`
+# (2026-11-26, last session): without it the kernel took 105 registers (4 programs an SM)
+# and 596 against 554 us at 16384 x 8192; with it (6 programs an SM, no spill) 543, 377 and
+# 147 us against 550-554, 385 and 153 at 16384 x 8192, 5632 and 2048, and 1854 against 1895
+# at 65536 x 7168 (H100, bench_quantize); a 96 cap tied the old kernel.
 TILES = {
     "row": (64, 128, 8),
     "row_dq": (32, 128, 8),
@@ -393,7 +418,7 @@ TILES = {
     "col_dq": (64, 64, 8),
     "both": (64, 64, 4),
     "both_dq": (64, 64, 4, 128),
-    "both_sr_dq": (32, 64, 4),
+    "both_sr_dq": (32, 64, 4, 80),
 }
 
 
