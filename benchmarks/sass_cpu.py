@@ -146,6 +146,9 @@ def _specialize(kernel: Any, args: tuple, kwargs: dict) -> tuple[dict, dict, dic
     return signature, constexprs, attrs
 
 
+_PTX_INEXACT = re.compile(r"\b[a-z0-9]+(?:\.[a-z0-9]+)*\.(?:ftz|approx)\b(?:\.[a-z0-9]+)*")
+
+
 def _tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
@@ -191,6 +194,9 @@ def compile_launch(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         # a register cap the launch asked for (0: none); spills under a cap are chosen
         "maxnreg": options.get("maxnreg", 0),
         "shared_bytes": compiled.metadata.shared,
+        # PTX float instructions that flush subnormals or approximate (cvt.rpi.ftz, ex2.approx,
+        # ...): the quantization must round every input as the reference does, subnormals too
+        "ptx_inexact": dict(Counter(_PTX_INEXACT.findall(compiled.asm["ptx"]))),
         # by opcode without modifiers (IMAD.WIDE.U32 -> IMAD): the mix of pipes a variant uses
         "opcodes": dict(Counter(op.split(".")[0] for op in ops).most_common()),
         # instructions a program issues to each bounding pipe (PIPES)

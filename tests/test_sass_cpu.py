@@ -49,6 +49,18 @@ def test_every_kernel_compiles_for_sm90_without_spills(rows):
         assert not r["maxnreg"] or r["registers"] <= r["maxnreg"], r
 
 
+def test_no_kernel_flushes_subnormals_or_approximates(rows):
+    """Every quantization kernel's PTX is free of `.ftz` and `.approx` float instructions. A
+    flushing instruction changes what a subnormal rounds to: Triton's `tl.ceil` is
+    `cvt.rpi.ftz.f32`, which made stochastic rounding code a scaled value below 2^-126 as 0
+    where the reference rounds it up to 0.5 with u = 0 (on the H100,
+    test_stochastic_rounds_subnormal_scaled_values_up; the interpreter does not flush, so
+    only this check sees it on the CPU)."""
+    assert {r["case"] for r in rows if "SR" in r["case"]}  # the stochastic launches are here
+    for r in rows:
+        assert r["ptx_inexact"] == {}, (r["case"], r["ptx_inexact"])
+
+
 def test_stochastic_rounding_hashes_each_word_once_a_thread(rows):
     """mix32 is two multiplies by its constants: one hash of the seed, then one a 32-bit word
     (4 values). Each thread hashes exactly the words of its own values, rowwise and in the
