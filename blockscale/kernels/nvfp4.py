@@ -89,8 +89,9 @@ def mix32(x):
 
 @triton.jit
 def _sr_uniforms(seed, block_offsets, R: tl.constexpr, NB: tl.constexpr, COLUMNWISE: tl.constexpr):
-    """FP32 uniforms k/256 for an [R, NB, 16] tile from the block counters [R, NB]: four
-    hashed words a block, 8 bits a value, in the copy's byte order. The words are laid out
+    """The uniforms' numerators k (u = k / 256; FP32 0..255) for an [R, NB, 16] tile from the
+    block counters [R, NB]: four hashed words a block, 8 bits a value, in the copy's byte
+    order (_e2m1 takes k, which spares a multiply a value). The words are laid out
     [R, NB, 4] and their bytes [R, NB, 4, 4], so a thread hashes only the words its values
     need."""
     key = mix32(seed.to(tl.uint32))
@@ -100,7 +101,7 @@ def _sr_uniforms(seed, block_offsets, R: tl.constexpr, NB: tl.constexpr, COLUMNW
     byte = (w[:, :, :, None] >> b) & 0xFF  # [R, NB, word, byte]
     if COLUMNWISE:  # value 8 * (byte // 2) + 2 * word + byte % 2
         byte = tl.permute(tl.reshape(byte, [R, NB, 4, 2, 2]), [0, 1, 3, 2, 4])
-    return tl.reshape(byte, [R, NB, 16]).to(tl.float32) * 0.00390625
+    return tl.reshape(byte, [R, NB, 16]).to(tl.float32)
 
 
 def _mix32_torch(x: torch.Tensor) -> torch.Tensor:
@@ -150,19 +151,23 @@ def add_rp(a, b, _semantic=None):
 @triton.jit
 def _e2m1(w, u, SR: tl.constexpr, DQ: tl.constexpr, HW: tl.constexpr = False):
     """Scaled FP32 values -> (int32 whose low three bits are the magnitude index 0..7, FP32
-    magnitude on the grid when DQ), nearest-even or stochastic (u: uniforms in [0, 1)), of
-    a = min(|w|, 6). NaN gives garbage here; the caller zeroes NaN blocks.
+    magnitude on the grid when DQ), nearest-even or stochastic (u: 256 times the uniforms, so
+    integers 0..255 from the hash), of a = min(|w|, 6). NaN gives garbage here; the caller
+    zeroes NaN blocks.
 
     The grid has step 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6]: with 2^j the binade of max(a, 1)
     (j = 0, 1, 2; e = 127 + j the exponent field), y = a * 2^(1-j) puts the step at 1 (exact),
     so rounding y to an integer r is rounding a to the grid, and index = r + 2j.
     Nearest: adding 1.5 * 2^23 (+ 2) rounds y to an integer with ties to even, and the low bits
     of the sum are r + 2. Stochastic: ceil(y - u) = floor(y) + [u < frac(y)], the reference's
-    rule, and y - u is exact wherever it decides the ceiling (docs/KERNELS.md); on the GPU
-    (HW) ceil(y - u) + 1.5 * 2^23 + 2 is one add rounded up (`add_rp`): the sum lies in
-    [2^23, 2^24), where the FP32 step is 1. `tl.ceil` is `cvt.rpi.ftz` there, which flushed a
-    subnormal y - u (u = 0 and a below 2^-127) to 0 and so coded it 0 where the reference
-    rounds it up to 0.5 (test_stochastic_rounds_subnormal_scaled_values_up, H100).
+    rule, and y - u is exact wherever it decides the ceiling (docs/KERNELS.md). On the GPU
+    (HW) the rounding runs 256 times larger: 256 * (ceil(y - u) + 1.5 * 2^23 + 2) is one add
+    rounded up (`add_rp`) of 256 y - 256 u (exact: the hash's integer k; no multiply by 1/256)
+    and 256 * (1.5 * 2^23 + 2); the sum lies in [2^31, 2^32), where the FP32 step is 256, and
+    its bits are the unscaled sum's plus 8 in the exponent, so the low bits are r + 2 as below.
+    `tl.ceil` is `cvt.rpi.ftz` on the GPU, which flushed a subnormal y - u (u = 0 and a below
+    2^-127) to 0 and so coded it 0 where the reference rounds it up to 0.5
+    (test_stochastic_rounds_subnormal_scaled_values_up, H100).
     Written for the GPU's pipes (the ALU pipe bounds these kernels, docs/KERNELS.md): e is the
     high word of bits * 2^9 and 2^(1-j), 2^(j-1), 2j come from e by integer multiply-adds, on
     the FMA pipe; the clamp to 6 and the integer max are the ALU operations here."""
@@ -170,18 +175,24 @@ def _e2m1(w, u, SR: tl.constexpr, DQ: tl.constexpr, HW: tl.constexpr = False):
     e = tl.maximum(tl.umulhi(a.to(tl.int32, bitcast=True), 512), 127)
     y = a * (0x7F800000 - e * 0x800000).to(tl.float32, bitcast=True)
     if SR:
-        if HW:
-            t = add_rp(y - u, 12582914.0)
+        if HW:  # 256 y = a * 2^(9-j)
+            t = add_rp(a * ((263 - e) * 0x800000).to(tl.float32, bitcast=True) - u, 3221225984.0)
+        else:  # the interpreter: numpy has neither directed rounding nor a flush
+            t = (tl.ceil(y - u * 0.00390625) + 12582914.0) * 256.0
+        # t = 256 (r + 1.5 * 2^23 + 2): bits(t) = 0x4F400002 + r, as for nearest below
+        idx = t.to(tl.int32, bitcast=True) + e * 2
+        if DQ:  # 256 r * 2^(j-9)
+            mag = (t - 3221225984.0) * (e * 0x800000 - 0x4800000).to(tl.float32, bitcast=True)
         else:
-            t = tl.ceil(y - u) + 12582914.0
+            mag = 0.0
     else:
         t = y + 12582914.0
-    # bits(t) = 0x4B400000 + r + 2, so bits(t) + 2e = 0x4B400100 + index: the low three bits
-    idx = t.to(tl.int32, bitcast=True) + e * 2
-    if DQ:
-        mag = (t - 12582914.0) * (e * 0x800000 - 0x800000).to(tl.float32, bitcast=True)
-    else:
-        mag = 0.0
+        # bits(t) = 0x4B400000 + r + 2, so bits(t) + 2e = 0x4B400100 + index: the low three bits
+        idx = t.to(tl.int32, bitcast=True) + e * 2
+        if DQ:
+            mag = (t - 12582914.0) * (e * 0x800000 - 0x800000).to(tl.float32, bitcast=True)
+        else:
+            mag = 0.0
     return idx, mag
 
 
@@ -266,15 +277,16 @@ def _uniforms(
     R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr, RAND_GIVEN: tl.constexpr,
     COLUMNWISE: tl.constexpr,
 ):  # fmt: skip
-    """Uniforms for an [R, C] output tile: given as a tensor (tests), or hashed from one
-    counter per 16-value block (`base` keeps the rowwise and columnwise copies apart)."""
+    """256 * the uniforms for an [R, C] output tile (what _e2m1 takes): given as a tensor of
+    uniforms (tests), or hashed from one counter per 16-value block (`base` keeps the rowwise
+    and columnwise copies apart)."""
     if SR:
         if RAND_GIVEN:
             rows = r0 + tl.arange(0, R)
             cols = c0 + tl.arange(0, C)
             m = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
             u = tl.load(rand_ptr + rows[:, None] * n_cols + cols[None, :], mask=m, other=0.0)
-            return tl.reshape(u, [R, C // 16, 16])
+            return tl.reshape(u * 256.0, [R, C // 16, 16])
         else:
             rows = r0 + tl.arange(0, R)
             blocks = c0 // 16 + tl.arange(0, C // 16)
