@@ -149,6 +149,22 @@ def add_rp(a, b, _semantic=None):
 
 
 @triton.jit
+def add_up(a, b, HW: tl.constexpr):
+    """a + b rounded toward +inf, for a sum that is positive and finite. HW: `add_rp`. The
+    interpreter (numpy has no directed rounding): the nearest sum, one step up where its
+    exact error (TwoSum, exact in any round-to-nearest arithmetic) is positive, so the CPU
+    tests run the GPU's arithmetic rather than another formula for it."""
+    if HW:
+        return add_rp(a, b)
+    else:
+        s = a + b
+        b_part = s - a
+        err = (a - (s - b_part)) + (b - b_part)
+        up = (s.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True)
+        return tl.where(err > 0.0, up, s)
+
+
+@triton.jit
 def _e2m1(w, u, SR: tl.constexpr, DQ: tl.constexpr, HW: tl.constexpr = False):
     """Scaled FP32 values -> (int32 whose low three bits are the magnitude index 0..7, FP32
     magnitude on the grid when DQ), nearest-even or stochastic (u: 256 times the uniforms, so
@@ -160,25 +176,22 @@ def _e2m1(w, u, SR: tl.constexpr, DQ: tl.constexpr, HW: tl.constexpr = False):
     so rounding y to an integer r is rounding a to the grid, and index = r + 2j.
     Nearest: adding 1.5 * 2^23 (+ 2) rounds y to an integer with ties to even, and the low bits
     of the sum are r + 2. Stochastic: ceil(y - u) = floor(y) + [u < frac(y)], the reference's
-    rule, and y - u is exact wherever it decides the ceiling (docs/KERNELS.md). On the GPU
-    (HW) the rounding runs 256 times larger: 256 * (ceil(y - u) + 1.5 * 2^23 + 2) is one add
-    rounded up (`add_rp`) of 256 y - 256 u (exact: the hash's integer k; no multiply by 1/256)
-    and 256 * (1.5 * 2^23 + 2); the sum lies in [2^31, 2^32), where the FP32 step is 256, and
-    its bits are the unscaled sum's plus 8 in the exponent, so the low bits are r + 2 as below.
-    `tl.ceil` is `cvt.rpi.ftz` on the GPU, which flushed a subnormal y - u (u = 0 and a below
-    2^-127) to 0 and so coded it 0 where the reference rounds it up to 0.5
-    (test_stochastic_rounds_subnormal_scaled_values_up, H100).
+    rule, and y - u is exact wherever it decides the ceiling (docs/KERNELS.md). It runs 256
+    times larger: 256 * (ceil(y - u) + 1.5 * 2^23 + 2) is one add rounded up (`add_up`; on the
+    GPU `add_rp`) of 256 y - 256 u (exact: the hash's integer k; no multiply by 1/256) and
+    256 * (1.5 * 2^23 + 2); the sum lies in [2^31, 2^32), where the FP32 step is 256, and its
+    bits are the unscaled sum's plus 8 in the exponent, so the low bits are r + 2 as below.
+    It was `tl.ceil(y - u)` + an add until 2026-11-26: `tl.ceil` is `cvt.rpi.ftz` on the GPU,
+    which flushed a subnormal y - u (u = 0 and a below 2^-127) to 0 and so coded it 0 where
+    the reference rounds it up to 0.5 (test_stochastic_rounds_subnormal_scaled_values_up).
     Written for the GPU's pipes (the ALU pipe bounds these kernels, docs/KERNELS.md): e is the
     high word of bits * 2^9 and 2^(1-j), 2^(j-1), 2j come from e by integer multiply-adds, on
     the FMA pipe; the clamp to 6 and the integer max are the ALU operations here."""
     a = min_keep_nan(tl.abs(w), 6.0)
     e = tl.maximum(tl.umulhi(a.to(tl.int32, bitcast=True), 512), 127)
-    y = a * (0x7F800000 - e * 0x800000).to(tl.float32, bitcast=True)
-    if SR:
-        if HW:  # 256 y = a * 2^(9-j)
-            t = add_rp(a * ((263 - e) * 0x800000).to(tl.float32, bitcast=True) - u, 3221225984.0)
-        else:  # the interpreter: numpy has neither directed rounding nor a flush
-            t = (tl.ceil(y - u * 0.00390625) + 12582914.0) * 256.0
+    if SR:  # 256 y = a * 2^(9-j)
+        y256 = a * ((263 - e) * 0x800000).to(tl.float32, bitcast=True)
+        t = add_up(y256 - u, 3221225984.0, HW)
         # t = 256 (r + 1.5 * 2^23 + 2): bits(t) = 0x4F400002 + r, as for nearest below
         idx = t.to(tl.int32, bitcast=True) + e * 2
         if DQ:  # 256 r * 2^(j-9)
@@ -186,6 +199,7 @@ def _e2m1(w, u, SR: tl.constexpr, DQ: tl.constexpr, HW: tl.constexpr = False):
         else:
             mag = 0.0
     else:
+        y = a * (0x7F800000 - e * 0x800000).to(tl.float32, bitcast=True)
         t = y + 12582914.0
         # bits(t) = 0x4B400000 + r + 2, so bits(t) + 2e = 0x4B400100 + index: the low three bits
         idx = t.to(tl.int32, bitcast=True) + e * 2
