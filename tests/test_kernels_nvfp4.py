@@ -235,6 +235,14 @@ def test_stochastic_rounds_subnormal_scaled_values_up():
     torch.testing.assert_close(data, want, atol=0, rtol=0)
 
 
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_stochastic_rounds_subnormal_scaled_values_up():
+    """The case above in the `-m gpu` suite (scripts/gpu_check.sh tests), since only the GPU
+    could get it wrong (its flush to zero); plain pytest on a GPU machine runs both."""
+    test_stochastic_rounds_subnormal_scaled_values_up()
+
+
 @pytest.mark.parametrize("mode", [dict(), dict(transpose=True, hadamard=True)])
 def test_stochastic_philox_neighbours_determinism(mode):
     x = randn(64, 64, seed=9)
