@@ -22,6 +22,10 @@
 #   scripts/gpu_check.sh cublas OUT    the MXFP8 cuBLAS route (gemm/dispatch.py, CUBLAS_BF16_OUT,
 #                                      on since 2026-11-26): its GPU test, then llama-1b compiled
 #                                      BF16 / mxfp8 without and with it, two processes (~5 min)
+#   scripts/gpu_check.sh moe OUT       the MoE issue's tables: bench_grouped_mm (BF16, nvfp4,
+#                                      mxfp8; every shape, token count and expert count) with
+#                                      the per-group kernel table, then bench_moe_layer eager
+#                                      and compiled                                       (~4 min)
 #   scripts/gpu_check.sh train OUT     bench_train --compile on small, batch 32: the study's
 #                                      speed and memory per recipe, each alone on the GPU (~2 min a
 #                                      quantized recipe: compiling it; give it two at a time)
@@ -35,7 +39,7 @@ set -uo pipefail
 PYTHON=${PYTHON:-python3}
 part=${1:-}
 out=${2:-}
-[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -96,10 +100,14 @@ cublas)
         --out "$out/bench_model_llama1b_mxfp8.json"
     step "$PYTHON" benchmarks/bench_model.py "${args[@]}" \
         --out "$out/bench_model_llama1b_mxfp8_cublas.json" ;;
+moe)
+    step "$PYTHON" benchmarks/bench_grouped_mm.py --recipes bf16 nvfp4 mxfp8 --kernels \
+        --json "$out/bench_grouped_mm.json"
+    step "$PYTHON" benchmarks/bench_moe_layer.py --compile --json "$out/bench_moe_layer.json" ;;
 train)
     step "$PYTHON" benchmarks/bench_train.py --model small --batch-size 32 --compile \
         --recipes "${RECIPES:-bf16,nvfp4,mxfp8,nvfp4_fwd_mxfp8_bwd}" --json "$out/bench_train.json" ;;
-*) echo "unknown part '$part': tests, kernels, ab, sweep, linear, models, cublas or train" >&2
+*) echo "unknown part '$part': tests, kernels, ab, sweep, linear, models, cublas, moe or train" >&2
    exit 2 ;;
 esac
 echo "gpu_check $part: exit status $status (log $log)"
