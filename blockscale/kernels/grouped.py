@@ -56,6 +56,7 @@ from blockscale.kernels.amax import (
     _FAST_BELOW,
     _FLIPS,
     _SIGN_MASK,
+    _load_16_rows,
     _max_abs_16,
     _rht16,
     _rht16_max_abs_x4,
@@ -110,17 +111,15 @@ def _load_16_positions(x_ptr, cols, kmask, stride_m, src_ptr, p,
                        GATHER: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
     """Positions p .. p + 15 as a 16-tuple of FP32 row vectors (their columns `cols`): rows of
     x through `source` (a padding position, source -1, reads zeros), or row p itself."""
-    xs = ()
-    for r in tl.static_range(16):
-        if GATHER:
+    if GATHER:
+        xs = ()
+        for r in tl.static_range(16):
             s = tl.load(src_ptr + p + r).to(tl.int64)
             v = tl.load(x_ptr + s * stride_m + cols, mask=kmask & (s >= 0), other=0.0)
-        elif EVEN_K:
-            v = tl.load(x_ptr + (p + r).to(tl.int64) * stride_m + cols)
-        else:
-            v = tl.load(x_ptr + (p + r).to(tl.int64) * stride_m + cols, mask=kmask, other=0.0)
-        xs = xs + (v.to(tl.float32),)
-    return xs
+            xs = xs + (v.to(tl.float32),)
+        return xs
+    else:
+        return _load_16_rows(x_ptr + p.to(tl.int64) * stride_m + cols, stride_m, kmask, EVEN_K)
 
 
 @triton.jit

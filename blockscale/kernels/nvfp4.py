@@ -189,24 +189,20 @@ def _e2m1(w, u, SR: tl.constexpr, DQ: tl.constexpr, HW: tl.constexpr = False):
     the FMA pipe; the clamp to 6 and the integer max are the ALU operations here."""
     a = min_keep_nan(tl.abs(w), 6.0)
     e = tl.maximum(tl.umulhi(a.to(tl.int32, bitcast=True), 512), 127)
-    if SR:  # 256 y = a * 2^(9-j)
-        y256 = a * ((263 - e) * 0x800000).to(tl.float32, bitcast=True)
-        t = add_up(y256 - u, 3221225984.0, HW)
-        # t = 256 (r + 1.5 * 2^23 + 2): bits(t) = 0x4F400002 + r, as for nearest below
-        idx = t.to(tl.int32, bitcast=True) + e * 2
-        if DQ:  # 256 r * 2^(j-9)
-            mag = (t - 3221225984.0) * (e * 0x800000 - 0x4800000).to(tl.float32, bitcast=True)
-        else:
-            mag = 0.0
+    if SR:  # 256 y = a * 2^(9-j); t = 256 (r + 1.5 * 2^23 + 2), bits(t) = 0x4F400002 + r
+        c = 3221225984.0
+        t = add_up(a * ((263 - e) * 0x800000).to(tl.float32, bitcast=True) - u, c, HW)
+        mag_exp = 0x4800000  # r = (t - c) / 256, so the magnitude is (t - c) * 2^(j-9)
+    else:  # t = r + 1.5 * 2^23 + 2, bits(t) = 0x4B400002 + r
+        c = 12582914.0
+        t = a * (0x7F800000 - e * 0x800000).to(tl.float32, bitcast=True) + c
+        mag_exp = 0x800000  # the magnitude is (t - c) * 2^(j-1)
+    # bits(t) + 2e = 0x4B400100 + index (0x4F400100 + index): the low three bits
+    idx = t.to(tl.int32, bitcast=True) + e * 2
+    if DQ:
+        mag = (t - c) * (e * 0x800000 - mag_exp).to(tl.float32, bitcast=True)
     else:
-        y = a * (0x7F800000 - e * 0x800000).to(tl.float32, bitcast=True)
-        t = y + 12582914.0
-        # bits(t) = 0x4B400000 + r + 2, so bits(t) + 2e = 0x4B400100 + index: the low three bits
-        idx = t.to(tl.int32, bitcast=True) + e * 2
-        if DQ:
-            mag = (t - 12582914.0) * (e * 0x800000 - 0x800000).to(tl.float32, bitcast=True)
-        else:
-            mag = 0.0
+        mag = 0.0
     return idx, mag
 
 
