@@ -558,7 +558,8 @@ def test_persistent_grouped_gemms_equal_one_program_per_tile(b_layout, monkeypat
     results = []
     for persistent in (True, False):
         monkeypatch.setattr(gg, "ROWS_PERSISTENT_KMAJOR", persistent)
-        monkeypatch.setattr(gg, "TOKENS_PERSISTENT_MAX_SEGMENT", 10**9 if persistent else 0)
+        monkeypatch.setattr(gg, "ROWS_PERSISTENT_NMAJOR", persistent)
+        monkeypatch.setattr(gg, "TOKENS_PERSISTENT", persistent)
         results.append(
             (
                 gg.grouped_gemm_rows(a, b, offs, amax, torch.bfloat16),
@@ -570,6 +571,48 @@ def test_persistent_grouped_gemms_equal_one_program_per_tile(b_layout, monkeypat
     assert tokens_p[0].abs().sum() == 0 and tokens_p[1].abs().sum() > 0  # expert 0 is empty
     torch.testing.assert_close(rows_p, rows_1, atol=0, rtol=0)
     torch.testing.assert_close(tokens_p, tokens_1, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("b_layout", ["k-major", "n-major"])
+def test_grouped_gemm_tile_orders_give_the_same_bits(b_layout, monkeypatch):
+    """ROWS_GROUP_M_* / TOKENS_GROUP_M only reorder the output tiles (kernels/gemm.py's `_tile`):
+    with small tiles (4 column tiles, row tiles across five groups and the rows past
+    offs[-1]) every order, persistent or one program a tile, must write every tile once with
+    the bits of the row-by-row order; 3 leaves a partial band of row tiles at the end."""
+    gg = importlib.import_module("blockscale.kernels.grouped_gemm")
+    sizes, tail = [0, 40, 17, 1, 33], 9
+    offs = _offs(sizes)
+    m, k, n = sum(sizes) + tail, 64, 64
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(m, k, generator=g)
+    b = torch.randn(len(sizes), n, k, generator=g)
+    if b_layout == "n-major":
+        b = b.transpose(1, 2).contiguous().transpose(1, 2)
+    amax = (torch.rand(len(sizes), generator=g) + 1, torch.rand(len(sizes), generator=g) + 1)
+    layout = G.token_layout(offs, m)
+    at = torch.randn(n, layout.capacity, generator=g)
+    bt = torch.randn(k, layout.capacity, generator=g)
+    monkeypatch.setattr(gg, "ROWS_CONFIG", (16, 16, 16, 4, 2))
+    monkeypatch.setattr(gg, "TOKENS_CONFIG", (16, 16, 16, 4, 2))
+    results = {}
+    for group_m in (1, 3):
+        for persistent in (True, False):
+            for name in ("ROWS_GROUP_M_KMAJOR", "ROWS_GROUP_M_NMAJOR", "TOKENS_GROUP_M"):
+                monkeypatch.setattr(gg, name, group_m)
+            for name in ("ROWS_PERSISTENT_KMAJOR", "ROWS_PERSISTENT_NMAJOR", "TOKENS_PERSISTENT"):
+                monkeypatch.setattr(gg, name, persistent)
+            results[group_m, persistent] = (
+                gg.grouped_gemm_rows(a, b, offs, amax, torch.bfloat16),
+                gg.grouped_gemm_tokens(at, bt, layout.seg_ends, amax, torch.bfloat16),
+            )
+    rows_ref, tokens_ref = results[1, False]
+    assert (rows_ref[sum(sizes) :] == 0).all()
+    assert (rows_ref[: sum(sizes)].reshape(-1, 4, 16).abs().sum(2) > 0).all()  # each row, tile
+    assert tokens_ref[0].abs().sum() == 0
+    assert (tokens_ref[1:].reshape(4, 4, 16, 4, 16).abs().sum((2, 4)) > 0).all()
+    for rows_got, tokens_got in results.values():
+        torch.testing.assert_close(rows_got, rows_ref, atol=0, rtol=0)
+        torch.testing.assert_close(tokens_got, tokens_ref, atol=0, rtol=0)
 
 
 def test_jit_kernels_call_helpers_by_plain_name():

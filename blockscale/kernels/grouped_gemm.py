@@ -35,7 +35,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from blockscale._library import library_op
 from blockscale.kernels._common import bf16_bits, cdiv, interpreting, round_to_bf16
 from blockscale.kernels.epilogue import _decode_scale, _mul_rn
-from blockscale.kernels.gemm import _programs
+from blockscale.kernels.gemm import _programs, _tile
 
 # (BM, BN, BK, num_warps, num_stages). BK must divide formats.grouped.TOKEN_ALIGN (64).
 # Measured on an H100 (`bench_grouped_mm.py --gemms`, docs/KERNELS.md): 128x256 tiles ran
@@ -43,16 +43,26 @@ from blockscale.kernels.gemm import _programs
 # suit the grad_weight kernel, 3 the row kernels.
 ROWS_CONFIG = (128, 256, 64, 8, 3)
 TOKENS_CONFIG = (128, 256, 64, 8, 4)
-# Persistent launches (one program per SM walking the tiles), measured on an H100 against one
-# program per tile (docs/KERNELS.md, 2026-11-25): the rows kernel with a K-major weight (the
-# output GEMM) ran 5-17% faster flattened, level with CUTLASS; with the N-major weight
-# (grad_input) it was no faster and up to 8% slower at 64 experts, so that stays one program per
-# tile. grad_weight ran 8% faster persistent with 512-token segments (64 experts) and 16-22%
-# slower with 4096-8192-token ones: persistent below this mean segment length. 4 stages do not
-# fit the persistent grad_weight kernel's shared memory; it runs 3. Only BF16 outputs: an FP32
-# output tile (grad_weight of FP32 master weights) with 3 stages is past Hopper's 227 KiB.
+# Persistent launches (one program per SM walking the tiles) and the order of the tiles,
+# measured on an H100 (docs/KERNELS.md, "Tile order", 2026-11-26): walking GROUP_M row tiles
+# at a time down each column tile (kernels/gemm.py's `_tile`) keeps the operand tiles that
+# the programs running at once share in L2. grad_weight (tokens) took 3945 -> 2711 us
+# (DeepSeek-V3-like, 65536 tokens, 8 experts; CUTLASS 2829) and 9607 -> 7797 us
+# (Llama-4-like) persistent with 8 row tiles a band, against row by row one program a tile;
+# row by row it had run persistent only with segments of at most 1024 tokens, and slower
+# above. The output GEMM (K-major expert weight) runs persistent and flattened (the next
+# tile's loads overlap this tile's epilogue; 5-17% faster than one program a tile, 2026-11-25)
+# with bands of 8 (Llama-4-like 9281 -> 7910 us, CUTLASS 8793); grad_input (the N-major
+# transposed 16x16 weight) one program a tile with bands of 16 (DeepSeek-V3-like 3146 -> 2855
+# us). 4 stages do not fit the persistent grad_weight kernel's shared memory; it runs 3. Only
+# BF16 outputs run persistent: an FP32 output tile (grad_weight of FP32 master weights) with
+# 3 stages is past Hopper's 227 KiB.
 ROWS_PERSISTENT_KMAJOR = True
-TOKENS_PERSISTENT_MAX_SEGMENT = 1024
+ROWS_PERSISTENT_NMAJOR = False
+ROWS_GROUP_M_KMAJOR = 8
+ROWS_GROUP_M_NMAJOR = 16
+TOKENS_PERSISTENT = True
+TOKENS_GROUP_M = 8
 TOKENS_PERSISTENT_STAGES = 3
 OPERAND_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -147,32 +157,37 @@ def _rows_kernel(
     DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):  # fmt: skip
     # tile_ends[E]: the row tiles of all groups, the one past offs[-1] included
-    num_tiles = tl.load(tile_ends_ptr + E) * num_pid_n
+    num_row_tiles = tl.load(tile_ends_ptr + E)
+    num_tiles = num_row_tiles * num_pid_n
     if PERSISTENT:
         # one program per SM walks the tiles; with FLATTEN the next tile's loads overlap this
         # tile's epilogue (the interpreter cannot iterate a runtime range under numpy 2)
         if INTERPRET:
             tile_id = tl.program_id(0)
             while tile_id < num_tiles:
+                t, pid_n = _tile(tile_id, num_row_tiles, num_pid_n, GROUP_M)
                 _rows_tile(a_desc, b_desc, out_ptr, stride_om, offs_ptr, tile_ends_ptr, amax_a_ptr,
-                           amax_b_ptr, tile_id // num_pid_n, tile_id % num_pid_n, M, N, K, E,
+                           amax_b_ptr, t, pid_n, M, N, K, E,
                            HAS_ALPHA, OUT_BF16, ASM, B_KMAJOR, DOT_F32, INTERPRET, SEARCH_STEPS,
                            BM, BN, BK)  # fmt: skip
                 tile_id += PROGRAMS
         else:
             for tile_id in tl.range(tl.program_id(0), num_tiles, PROGRAMS, flatten=FLATTEN):
+                t, pid_n = _tile(tile_id, num_row_tiles, num_pid_n, GROUP_M)
                 _rows_tile(a_desc, b_desc, out_ptr, stride_om, offs_ptr, tile_ends_ptr, amax_a_ptr,
-                           amax_b_ptr, tile_id // num_pid_n, tile_id % num_pid_n, M, N, K, E,
+                           amax_b_ptr, t, pid_n, M, N, K, E,
                            HAS_ALPHA, OUT_BF16, ASM, B_KMAJOR, DOT_F32, INTERPRET, SEARCH_STEPS,
                            BM, BN, BK)  # fmt: skip
     else:
         # one program per tile of an upper bound on the tile count
         pid = tl.program_id(0)
         if pid < num_tiles:
+            t, pid_n = _tile(pid, num_row_tiles, num_pid_n, GROUP_M)
             _rows_tile(a_desc, b_desc, out_ptr, stride_om, offs_ptr, tile_ends_ptr, amax_a_ptr,
-                       amax_b_ptr, pid // num_pid_n, pid % num_pid_n, M, N, K, E,
+                       amax_b_ptr, t, pid_n, M, N, K, E,
                        HAS_ALPHA, OUT_BF16, ASM, B_KMAJOR, DOT_F32, INTERPRET, SEARCH_STEPS,
                        BM, BN, BK)  # fmt: skip
 
@@ -181,13 +196,14 @@ def _rows_kernel(
 def _tokens_tile(
     a_desc, b_desc, out_desc, seg_ends_ptr, amax_a_ptr, amax_b_ptr, tile_id, E, num_pid_m,
     num_pid_n, HAS_ALPHA: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr,
-    DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr,
+    DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, GROUP_M: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     per_group = num_pid_m * num_pid_n
     g = tile_id // per_group
-    m0 = (tile_id % per_group) // num_pid_n * BM
-    n0 = (tile_id % num_pid_n) * BN
+    pid_m, pid_n = _tile(tile_id % per_group, num_pid_m, num_pid_n, GROUP_M)
+    m0 = pid_m * BM
+    n0 = pid_n * BN
     s0 = tl.load(seg_ends_ptr + g - 1, mask=g > 0, other=0)
     s1 = tl.load(seg_ends_ptr + g)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -211,8 +227,8 @@ def _tokens_tile(
 def _tokens_kernel(
     a_desc, b_desc, out_desc, seg_ends_ptr, amax_a_ptr, amax_b_ptr, E, num_pid_m, num_pid_n,
     HAS_ALPHA: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr, DOT_F32: tl.constexpr,
-    INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
+    INTERPRET: tl.constexpr, GROUP_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
 ):  # fmt: skip
     if PERSISTENT:
         num_tiles = E * num_pid_m * num_pid_n
@@ -221,17 +237,17 @@ def _tokens_kernel(
             while tile_id < num_tiles:
                 _tokens_tile(a_desc, b_desc, out_desc, seg_ends_ptr, amax_a_ptr, amax_b_ptr,
                              tile_id, E, num_pid_m, num_pid_n, HAS_ALPHA, OUT_BF16, ASM, DOT_F32,
-                             INTERPRET, BM, BN, BK)  # fmt: skip
+                             INTERPRET, GROUP_M, BM, BN, BK)  # fmt: skip
                 tile_id += PROGRAMS
         else:
             for tile_id in tl.range(tl.program_id(0), num_tiles, PROGRAMS):
                 _tokens_tile(a_desc, b_desc, out_desc, seg_ends_ptr, amax_a_ptr, amax_b_ptr,
                              tile_id, E, num_pid_m, num_pid_n, HAS_ALPHA, OUT_BF16, ASM, DOT_F32,
-                             INTERPRET, BM, BN, BK)  # fmt: skip
+                             INTERPRET, GROUP_M, BM, BN, BK)  # fmt: skip
     else:
         _tokens_tile(a_desc, b_desc, out_desc, seg_ends_ptr, amax_a_ptr, amax_b_ptr,
                      tl.program_id(0), E, num_pid_m, num_pid_n, HAS_ALPHA, OUT_BF16, ASM, DOT_F32,
-                     INTERPRET, BM, BN, BK)  # fmt: skip
+                     INTERPRET, GROUP_M, BM, BN, BK)  # fmt: skip
 
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -280,7 +296,7 @@ def _grouped_gemm_rows(
     a_desc = _descriptor(a, [bm, bk])
     b_desc = _descriptor(b_read, [1, bn, bk] if b_kmajor else [1, bk, bn])
     has_alpha = amax_a is not None
-    persistent = ROWS_PERSISTENT_KMAJOR and b_kmajor and bf16
+    persistent = bf16 and (ROWS_PERSISTENT_KMAJOR if b_kmajor else ROWS_PERSISTENT_NMAJOR)
     programs = _programs(a.device, tiles) if persistent else tiles
     _rows_kernel[(programs,)](
         a_desc, b_desc, dst, out.stride(0), offs, tile_ends, amax_a if has_alpha else offs,
@@ -288,6 +304,7 @@ def _grouped_gemm_rows(
         B_KMAJOR=b_kmajor, DOT_F32=interpreting() or a.dtype == torch.float32,
         INTERPRET=interpreting(), SEARCH_STEPS=(E + 1).bit_length(),
         BM=bm, BN=bn, BK=bk, PERSISTENT=persistent, PROGRAMS=programs, FLATTEN=persistent,
+        GROUP_M=ROWS_GROUP_M_KMAJOR if b_kmajor else ROWS_GROUP_M_NMAJOR,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
@@ -317,7 +334,7 @@ def _grouped_gemm_tokens(
     num_pid_m, num_pid_n = cdiv(N, bm), cdiv(K, bn)
     has_alpha = amax_a is not None
     tiles = E * num_pid_m * num_pid_n
-    persistent = bf16 and a.shape[1] <= TOKENS_PERSISTENT_MAX_SEGMENT * E
+    persistent = bf16 and TOKENS_PERSISTENT
     programs = _programs(a.device, tiles) if persistent else tiles
     if persistent:
         stages = min(stages, TOKENS_PERSISTENT_STAGES)
@@ -327,8 +344,8 @@ def _grouped_gemm_tokens(
             seg_ends, amax_a if has_alpha else seg_ends, amax_b if has_alpha else seg_ends, E,
             num_pid_m, num_pid_n, HAS_ALPHA=has_alpha, OUT_BF16=bf16, ASM=not interpreting(),
             DOT_F32=interpreting() or a.dtype == torch.float32, INTERPRET=interpreting(),
-            BM=bm, BN=bn, BK=bk, PERSISTENT=persistent, PROGRAMS=programs,
-            num_warps=warps, num_stages=stages,
+            GROUP_M=TOKENS_GROUP_M, BM=bm, BN=bn, BK=bk, PERSISTENT=persistent,
+            PROGRAMS=programs, num_warps=warps, num_stages=stages,
         )  # fmt: skip
 
 
