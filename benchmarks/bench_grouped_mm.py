@@ -20,6 +20,9 @@ over its time, against the copy ceiling of the same run.
     python benchmarks/bench_grouped_mm.py --kernels --recipes bf16 --shapes deepseek-v3 \
         --tokens 32768 --experts 8 --kernel-tiles '64,64,4;64,64,4,168;32,64,4'
                                     # the per-group kernels at each tile (both-direction kinds)
+    python benchmarks/bench_grouped_mm.py --gemms --recipes bf16 --tokens 65536 --experts 1 8
+                                    # the grouped GEMMs alone: CUTLASS, each tile config, and
+                                    # each tile order (bands of row tiles, persistent or not)
 """
 
 from __future__ import annotations
@@ -219,6 +222,7 @@ def profile_case(k: int, n: int, m: int, e: int, names: list[str], device: torch
         )
 
 
+GEMM_GROUP_M = [1, 4, 8, 16]
 GEMM_CONFIGS = [
     (128, 128, 64, 8, 3),
     (128, 256, 64, 8, 3),
@@ -278,6 +282,29 @@ def gemm_rows(k: int, n: int, m: int, e: int, device: torch.device, args) -> lis
         rows.append({"gemm": name, "M,K,N,E": f"{m},{k},{n},{e}", "us": timing.median_ms * 1e3,
                      "tflops": flop / (timing.median_ms * 1e-3) / 1e12})  # fmt: skip
     gg.ROWS_CONFIG, gg.TOKENS_CONFIG = defaults
+    # the tile orders (bands of GROUP_M row tiles; kernels/grouped_gemm.py) at the default tiles
+    orders = ("ROWS_GROUP_M_KMAJOR", "ROWS_GROUP_M_NMAJOR", "TOKENS_GROUP_M", "TOKENS_PERSISTENT")
+    saved = {name: getattr(gg, name) for name in orders}
+    for group_m in GEMM_GROUP_M:
+        for persistent in (True, False):
+            gg.ROWS_GROUP_M_KMAJOR = gg.ROWS_GROUP_M_NMAJOR = gg.TOKENS_GROUP_M = group_m
+            gg.TOKENS_PERSISTENT = persistent
+            fns = {
+                "grad_weight": lambda: gg.grouped_gemm_tokens(got, xt, layout.seg_ends, amax, bf)
+            }
+            if persistent:  # the row GEMMs' persistence is per weight layout, not varied here
+                fns["output"] = lambda: gg.grouped_gemm_rows(x, w, offs, amax)
+                fns["grad_input"] = lambda: gg.grouped_gemm_rows(
+                    go, w.transpose(-2, -1), offs, amax
+                )
+            for gemm, fn in fns.items():
+                timing = t(fn)
+                kind = ", persistent" if gemm == "grad_weight" and persistent else ""
+                rows.append({"gemm": f"ours {gemm}, bands of {group_m}{kind}",
+                             "M,K,N,E": f"{m},{k},{n},{e}", "us": timing.median_ms * 1e3,
+                             "tflops": flop / (timing.median_ms * 1e-3) / 1e12})  # fmt: skip
+    for name, value in saved.items():
+        setattr(gg, name, value)
     return rows
 
 
