@@ -536,17 +536,13 @@ def test_native_backend_wiring_with_the_kernel_simulated(monkeypatch):
     _check_tail(got[0], got[1], sum(sizes))
 
 
-@pytest.mark.parametrize("b_layout", ["k-major", "n-major"])
-def test_persistent_grouped_gemms_equal_one_program_per_tile(b_layout, monkeypatch):
-    """The persistent launches (kernels/grouped_gemm.py) walk more tiles than programs (4 in
-    the interpreter) and must give the per-tile launch's bits: the same tiles, each summed in
-    the same order. BF16 outputs (FP32 ones launch one program per tile). Groups: empty, 1
-    token, two row tiles, and rows past offs[-1]."""
-    gg = importlib.import_module("blockscale.kernels.grouped_gemm")
-    sizes, tail = [0, 130, 44, 1, 125], 7
+def _gemm_kernel_operands(sizes, tail, b_layout, seed):
+    """Random operands of the grouped GEMM kernels, K = N = 64: offs, a [M, 64] (`tail` rows
+    past offs[-1]), expert weights b [E, 64, 64] (K-major, or an N-major view), per-group
+    amaxes, the token layout and token operands at, bt [64, P]."""
     offs = _offs(sizes)
     m, k, n = sum(sizes) + tail, 64, 64
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(seed)
     a = torch.randn(m, k, generator=g)
     b = torch.randn(len(sizes), n, k, generator=g)
     if b_layout == "n-major":
@@ -555,6 +551,18 @@ def test_persistent_grouped_gemms_equal_one_program_per_tile(b_layout, monkeypat
     layout = G.token_layout(offs, m)
     at = torch.randn(n, layout.capacity, generator=g)
     bt = torch.randn(k, layout.capacity, generator=g)
+    return offs, a, b, amax, layout, at, bt
+
+
+@pytest.mark.parametrize("b_layout", ["k-major", "n-major"])
+def test_persistent_grouped_gemms_equal_one_program_per_tile(b_layout, monkeypatch):
+    """The persistent launches (kernels/grouped_gemm.py) walk more tiles than programs (4 in
+    the interpreter) and must give the per-tile launch's bits: the same tiles, each summed in
+    the same order. BF16 outputs (FP32 ones launch one program per tile). Groups: empty, 1
+    token, two row tiles, and rows past offs[-1]."""
+    gg = importlib.import_module("blockscale.kernels.grouped_gemm")
+    sizes = [0, 130, 44, 1, 125]
+    offs, a, b, amax, layout, at, bt = _gemm_kernel_operands(sizes, 7, b_layout, seed=3)
     results = []
     for persistent in (True, False):
         monkeypatch.setattr(gg, "ROWS_PERSISTENT_KMAJOR", persistent)
@@ -580,18 +588,8 @@ def test_grouped_gemm_tile_orders_give_the_same_bits(b_layout, monkeypatch):
     offs[-1]) every order, persistent or one program a tile, must write every tile once with
     the bits of the row-by-row order; 3 leaves a partial band of row tiles at the end."""
     gg = importlib.import_module("blockscale.kernels.grouped_gemm")
-    sizes, tail = [0, 40, 17, 1, 33], 9
-    offs = _offs(sizes)
-    m, k, n = sum(sizes) + tail, 64, 64
-    g = torch.Generator().manual_seed(5)
-    a = torch.randn(m, k, generator=g)
-    b = torch.randn(len(sizes), n, k, generator=g)
-    if b_layout == "n-major":
-        b = b.transpose(1, 2).contiguous().transpose(1, 2)
-    amax = (torch.rand(len(sizes), generator=g) + 1, torch.rand(len(sizes), generator=g) + 1)
-    layout = G.token_layout(offs, m)
-    at = torch.randn(n, layout.capacity, generator=g)
-    bt = torch.randn(k, layout.capacity, generator=g)
+    sizes = [0, 40, 17, 1, 33]
+    offs, a, b, amax, layout, at, bt = _gemm_kernel_operands(sizes, 9, b_layout, seed=5)
     monkeypatch.setattr(gg, "ROWS_CONFIG", (16, 16, 16, 4, 2))
     monkeypatch.setattr(gg, "TOKENS_CONFIG", (16, 16, 16, 4, 2))
     results = {}
