@@ -100,6 +100,10 @@ def test_config_for_picks_warp_specialized_tiles_for_long_contractions_and_narro
     assert gemm.config_for(16384, 2048, 512) == gemm.NARROW_CONFIG
     assert gemm.config_for(512, 2048, 16384) == gemm.DEFAULT_CONFIG
     assert gemm.config_for(16384, 1024, 4096) == gemm.DEFAULT_CONFIG
+    # an N-major b (grad_input's transposed weight): bands of 16 row tiles, BF16 outputs only
+    assert gemm.config_for(8192, 14336, 4096, b_kmajor=False) == gemm.NMAJOR_CONFIG
+    assert gemm.config_for(8192, 4096, 4096, torch.float32, False) == gemm.FP32_OUT_CONFIG
+    assert gemm.config_for(16384, 4096, 14336, b_kmajor=False) == gemm.LONG_K_CONFIG
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

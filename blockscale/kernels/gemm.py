@@ -35,6 +35,13 @@ from blockscale.kernels.epilogue import _decode_scale, _mul_rn
 # (BM, BN, BK, GROUP_M, num_warps, num_stages, flatten, warp_specialize); `config_for` picks
 # one per call. benchmarks/bench_gemm.py measures the choices (docs/KERNELS.md).
 DEFAULT_CONFIG = (128, 256, 64, 8, 8, 3, 1, 0)
+# The same with bands of 16 row tiles, for an N-major b (grad_input's transposed 16x16 weight)
+# and a BF16 output: on an H100 (2026-11-26, `bench_gemm.py --configs`, bands of 4 / 8 / 16 /
+# 32), 8192 x 4096 <- 4096 took 415 against 465 us and 8192 x 14336 <- 4096 1306 against
+# 1412 (the 8B o and down projections' grad_input), the 1B shapes within 2% either way; the
+# grouped grad_input kernel prefers 16 too (kernels/grouped_gemm.py). K-major outputs and FP32
+# outputs keep 8 (mixed or worse with 16).
+NMAJOR_CONFIG = (128, 256, 64, 16, 8, 3, 1, 0)
 # Warp-specialized (producer and consumer warps, Hopper): faster where the contraction is long
 # and there are many output tiles (measured on an H100: 16384 x 14336 -> 4096 output and
 # grad_input GEMMs, 2624 / 2632 us against 2691 / 2876 us with DEFAULT_CONFIG), slower on the
@@ -140,13 +147,18 @@ def _gemm_kernel(
                             pid_n * BN, N, HAS_ALPHA, HAS_BIAS, OUT_BF16, ASM, BM, BN)  # fmt: skip
 
 
-def config_for(m: int, n: int, k: int, out_dtype: torch.dtype = torch.bfloat16) -> tuple[int, ...]:
-    """The tile config for out [m, n] contracting k (measured choices, see the constants)."""
+def config_for(
+    m: int, n: int, k: int, out_dtype: torch.dtype = torch.bfloat16, b_kmajor: bool = True
+) -> tuple[int, ...]:
+    """The tile config for out [m, n] contracting k, b K-major or not (measured choices, see
+    the constants)."""
     if out_dtype == torch.float32:
         return FP32_OUT_NARROW_CONFIG if k <= 512 else FP32_OUT_CONFIG
     if min(n, k) <= 512:
         return NARROW_CONFIG
-    return LONG_K_CONFIG if k >= 8192 and m >= 16384 else DEFAULT_CONFIG
+    if k >= 8192 and m >= 16384:
+        return LONG_K_CONFIG
+    return DEFAULT_CONFIG if b_kmajor else NMAJOR_CONFIG
 
 
 def shared_memory_bytes(config: tuple[int, ...], out_dtype: torch.dtype) -> int:
@@ -268,7 +280,7 @@ def gemm_fused(
             f"{tuple(out.shape)}"
         )
     if config is None:
-        config = config_for(a.shape[0], b.shape[0], a.shape[1], out.dtype)
+        config = config_for(a.shape[0], b.shape[0], a.shape[1], out.dtype, b.stride(1) == 1)
     if len(config) != len(DEFAULT_CONFIG):
         raise ValueError(
             f"config takes {len(DEFAULT_CONFIG)} ints (see DEFAULT_CONFIG), got {config}"
