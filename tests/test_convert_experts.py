@@ -380,7 +380,7 @@ def test_gpu_compiled_quantized_experts_equal_eager():
 # transformers 5.x models. Each test imports transformers itself, so the tests above run
 # without it.
 
-HF_KINDS = ("qwen3_moe", "olmoe", "mixtral")
+HF_KINDS = ("qwen3_moe", "olmoe", "mixtral", "deepseek_v3")
 
 
 def hf_model(kind, n_layers=2, implementation="grouped_mm", seed=0):
@@ -404,6 +404,16 @@ def hf_model(kind, n_layers=2, implementation="grouped_mm", seed=0):
         )
     elif kind == "olmoe":
         config = transformers.OlmoeConfig(intermediate_size=HIDDEN, num_experts=N_EXPERTS, **common)
+    elif kind == "deepseek_v3":
+        # every block an MoE (no leading dense blocks), one shared expert (plain linears), the
+        # sigmoid router with its correction bias, multi-head latent attention at small ranks
+        common["num_key_value_heads"] = common["num_attention_heads"]
+        config = transformers.DeepseekV3Config(
+            intermediate_size=128, moe_intermediate_size=HIDDEN, n_routed_experts=N_EXPERTS,
+            n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=0,
+            q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+            v_head_dim=16, **common,
+        )  # fmt: skip
     else:
         config = transformers.MixtralConfig(
             intermediate_size=HIDDEN, num_local_experts=N_EXPERTS, **common
@@ -430,11 +440,17 @@ def test_hf_experts_are_quantized_and_routers_untouched(kind, caplog):
     routers = [(block.gate, type(block.gate), block.gate.weight) for block in moe_blocks(model)]
     policy = bsnn.layer_policy(model)
     with caplog.at_level(logging.INFO, logger="blockscale"):
-        # Experts only, so that the logits' error is theirs (the band in the module docstring).
+        # Routed experts only (not DeepSeek-V3's shared expert, plain linears), so that the
+        # logits' error is theirs (the band in the module docstring).
         bsnn.convert(
-            model, RECIPE, module_filter_fn=lambda m, fqn: policy(m, fqn) and "experts" in fqn
+            model,
+            RECIPE,
+            module_filter_fn=lambda m, fqn: policy(m, fqn) and fqn.endswith(".experts"),
         )
-    assert "converted 0 of 9 linears and 2 of 4 expert weights to recipe nvfp4" in caplog.text
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert (
+        f"converted 0 of {linears} linears and 2 of 4 expert weights to recipe nvfp4" in caplog.text
+    )
     head, tail = (block.experts for block in moe_blocks(model))
     assert type(head).__name__.startswith("Blockscale") and list(head.grouped_mms) == [
         "gate_up_proj",
@@ -467,8 +483,9 @@ def test_hf_set_precision_false_is_the_unconverted_model(kind):
     assert torch.equal(model(ids).logits, reference(ids).logits)
 
 
-def test_hf_trains_with_adamw():
-    model = hf_model("qwen3_moe")
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+def test_hf_trains_with_adamw(kind):
+    model = hf_model(kind)
     bsnn.convert(model, RECIPE, module_filter_fn=bsnn.layer_policy(model))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
@@ -493,7 +510,8 @@ def test_hf_other_experts_implementations_are_left_alone(caplog):
     assert "and 0 of 4 expert weights" in caplog.text
 
 
-def test_hf_compiled_routing_equals_eager(monkeypatch):
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+def test_hf_compiled_routing_equals_eager(kind, monkeypatch):
     """torch.compile(fullgraph=True) of a converted transformers model calls GroupedMM from the
     compiled graph and gives eager's losses and gradients over optimizer steps; set_precision
     afterwards recompiles (the switch is read where Dynamo guards it).
@@ -508,9 +526,9 @@ def test_hf_compiled_routing_equals_eager(monkeypatch):
 
     monkeypatch.setattr(bs_experts, "grouped_mm", doubled)
     torch._dynamo.reset()
-    model, unconverted = hf_pair("qwen3_moe", n_layers=1)
+    model, unconverted = hf_pair(kind, n_layers=1)
     model, unconverted = model.bfloat16(), unconverted.bfloat16()
-    bsnn.convert(model, RECIPE, module_filter_fn=lambda m, fqn: "experts" in fqn)
+    bsnn.convert(model, RECIPE, module_filter_fn=lambda m, fqn: fqn.endswith(".experts"))
     twin = copy.deepcopy(model)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
