@@ -17,6 +17,7 @@ are one term of a residual stream that the embeddings dominate at random init (m
 
 import copy
 import logging
+import warnings
 
 import pytest
 import torch
@@ -380,7 +381,7 @@ def test_gpu_compiled_quantized_experts_equal_eager():
 # transformers 5.x models. Each test imports transformers itself, so the tests above run
 # without it.
 
-HF_KINDS = ("qwen3_moe", "olmoe", "mixtral", "deepseek_v3")
+HF_KINDS = ("qwen3_moe", "olmoe", "mixtral", "deepseek_v3", "qwen2_moe", "gpt_oss")
 
 
 def hf_model(kind, n_layers=2, implementation="grouped_mm", seed=0):
@@ -404,6 +405,15 @@ def hf_model(kind, n_layers=2, implementation="grouped_mm", seed=0):
         )
     elif kind == "olmoe":
         config = transformers.OlmoeConfig(intermediate_size=HIDDEN, num_experts=N_EXPERTS, **common)
+    elif kind == "qwen2_moe":  # with its gated shared expert (plain linears)
+        config = transformers.Qwen2MoeConfig(
+            intermediate_size=128, moe_intermediate_size=HIDDEN,
+            shared_expert_intermediate_size=HIDDEN, num_experts=N_EXPERTS, **common,
+        )  # fmt: skip
+    elif kind == "gpt_oss":  # expert biases, a clamped gated activation, attention sinks
+        config = transformers.GptOssConfig(
+            intermediate_size=HIDDEN, num_local_experts=N_EXPERTS, head_dim=16, **common
+        )
     elif kind == "deepseek_v3":
         # every block an MoE (no leading dense blocks), one shared expert (plain linears), the
         # sigmoid router with its correction bias, multi-head latent attention at small ranks
@@ -432,12 +442,16 @@ def moe_blocks(model):
     return [layer.mlp for layer in model.model.layers]
 
 
+def router_of(block):
+    return block.router if hasattr(block, "router") else block.gate  # GPT-OSS: router
+
+
 @pytest.mark.parametrize("kind", HF_KINDS)
 def test_hf_experts_are_quantized_and_routers_untouched(kind, caplog):
     model, reference = hf_pair(kind)
     assert model.config._experts_implementation == "grouped_mm"
     params = dict(model.named_parameters())
-    routers = [(block.gate, type(block.gate), block.gate.weight) for block in moe_blocks(model)]
+    routers = [(r, type(r), r.weight) for r in map(router_of, moe_blocks(model))]
     policy = bsnn.layer_policy(model)
     with caplog.at_level(logging.INFO, logger="blockscale"):
         # Routed experts only (not DeepSeek-V3's shared expert, plain linears), so that the
@@ -459,7 +473,8 @@ def test_hf_experts_are_quantized_and_routers_untouched(kind, caplog):
     assert not type(tail).__name__.startswith("Blockscale")  # layers.1 is the BF16 tail
     assert dict(model.named_parameters()) == params
     for block, (router, router_type, weight) in zip(moe_blocks(model), routers):
-        assert block.gate is router and type(router) is router_type and router.weight is weight
+        assert router_of(block) is router and type(router) is router_type
+        assert router.weight is weight
 
     captured = []
     for g in head.grouped_mms.values():
@@ -467,8 +482,11 @@ def test_hf_experts_are_quantized_and_routers_untouched(kind, caplog):
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     logits = model(ids).logits
     assert len(captured) == 2
-    assert captured[0][0][1]._base is head.gate_up_proj
-    assert captured[1][0][1]._base is head.down_proj
+    # weight_t is the parameter's transposed view, or (GPT-OSS, whose experts are stored
+    # [E, K, N]) the parameter itself
+    weights = (head.gate_up_proj, head.down_proj)
+    for ((_, weight_t, _), _), weight in zip(captured, weights, strict=True):
+        assert (weight_t if weight_t._base is None else weight_t._base) is weight
     for (input, weight_t, offs), out in captured:
         assert torch.equal(out, bs.grouped_mm(input, weight_t, offs, RECIPE))
     assert 1e-3 < rel_error(logits, reference(ids).logits) < 0.1
@@ -508,6 +526,33 @@ def test_hf_other_experts_implementations_are_left_alone(caplog):
     assert not any(hasattr(block.experts, "grouped_mms") for block in moe_blocks(model))
     assert "runs experts_implementation='eager' and only grouped_mm calls are routed" in caplog.text
     assert "and 0 of 4 expert weights" in caplog.text
+
+
+def test_hf_experts_without_an_experts_implementation_are_left_alone(caplog):
+    """transformers' Llama 4 experts take no experts_implementation and multiply with bmm: convert
+    must say so and leave them alone, not count them converted and let them run unquantized
+    (the forward's warning would come only at the first step)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Llama4TextConfig(
+        vocab_size=256, hidden_size=DIM, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_experts_per_tok=1,
+        intermediate_size=HIDDEN, intermediate_size_mlp=128, num_local_experts=N_EXPERTS,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    reference = copy.deepcopy(model)
+    with caplog.at_level(logging.INFO, logger="blockscale"):
+        bsnn.convert(model, RECIPE, module_filter_fn=lambda m, fqn: fqn.endswith(".experts"))
+    assert "takes no experts_implementation" in caplog.text
+    assert "and 0 of 4 expert weights" in caplog.text
+    experts = [layer.feed_forward.experts for layer in model.model.layers]
+    assert not any(hasattr(e, "grouped_mms") for e in experts)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    assert not [w for w in caught if "unquantized" in str(w.message)]  # nothing was wrapped
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])

@@ -112,7 +112,21 @@ def convert(
 
     def wanted_experts(module: nn.Module, fqn: str, weights: dict[str, nn.Parameter]) -> list[str]:
         counts["expert_total"] += len(weights)
-        implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+        config = getattr(module, "config", None)
+        implementation = getattr(config, "_experts_implementation", None)
+        if type(module).__module__.startswith("transformers.") and not hasattr(
+            config, "_experts_implementation"
+        ):
+            # a transformers experts class outside its experts-implementation registry (Llama
+            # 4's, 5.x) multiplies with bmm or a loop: no grouped_mm call would reach the router
+            logger.warning(
+                "%s stays in high precision: transformers' %s takes no "
+                "experts_implementation, so its forward never calls grouped_mm, and only "
+                "grouped_mm calls are routed",
+                fqn or "<root>",
+                type(module).__name__,
+            )
+            return []
         if implementation not in (None, "grouped_mm"):
             logger.warning(
                 "%s stays in high precision: it runs experts_implementation=%r and only "
