@@ -274,13 +274,17 @@ def gemm_rows(k: int, n: int, m: int, e: int, device: torch.device, args) -> lis
             fn = cases.pop(name)
             cases[name] = (cfg, fn)
     rows = []
+
+    def record(name: str, fn) -> None:
+        timing = t(fn)
+        rows.append({"gemm": name, "M,K,N,E": f"{m},{k},{n},{e}", "us": timing.median_ms * 1e3,
+                     "tflops": flop / (timing.median_ms * 1e-3) / 1e12})  # fmt: skip
+
     for name, fn in cases.items():
         if isinstance(fn, tuple):
             gg.ROWS_CONFIG = gg.TOKENS_CONFIG = fn[0]
             fn = fn[1]
-        timing = t(fn)
-        rows.append({"gemm": name, "M,K,N,E": f"{m},{k},{n},{e}", "us": timing.median_ms * 1e3,
-                     "tflops": flop / (timing.median_ms * 1e-3) / 1e12})  # fmt: skip
+        record(name, fn)
     gg.ROWS_CONFIG, gg.TOKENS_CONFIG = defaults
     # the tile orders (bands of GROUP_M row tiles; kernels/grouped_gemm.py) at the default tiles
     orders = ("ROWS_GROUP_M_KMAJOR", "ROWS_GROUP_M_NMAJOR", "TOKENS_GROUP_M", "TOKENS_PERSISTENT")
@@ -298,11 +302,8 @@ def gemm_rows(k: int, n: int, m: int, e: int, device: torch.device, args) -> lis
                     go, w.transpose(-2, -1), offs, amax
                 )
             for gemm, fn in fns.items():
-                timing = t(fn)
                 kind = ", persistent" if gemm == "grad_weight" and persistent else ""
-                rows.append({"gemm": f"ours {gemm}, bands of {group_m}{kind}",
-                             "M,K,N,E": f"{m},{k},{n},{e}", "us": timing.median_ms * 1e3,
-                             "tflops": flop / (timing.median_ms * 1e-3) / 1e12})  # fmt: skip
+                record(f"ours {gemm}, bands of {group_m}{kind}", fn)
     for name, value in saved.items():
         setattr(gg, name, value)
     return rows
