@@ -118,7 +118,8 @@ def convert(
             config, "_experts_implementation"
         ):
             # a transformers experts class outside its experts-implementation registry (Llama
-            # 4's, 5.x) multiplies with bmm or a loop: no grouped_mm call would reach the router
+            # 4's, 5.x) multiplies with bmm or a loop: it makes no grouped_mm call for the
+            # wrapped weights to intercept, so wrapping it would quantize nothing
             logger.warning(
                 "%s stays in high precision: transformers' %s takes no "
                 "experts_implementation, so its forward never calls grouped_mm, and only "
