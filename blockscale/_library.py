@@ -10,7 +10,7 @@ and the one switch that says where the Triton kernels run (`use_kernels`).
 - in eager mode, the function itself, with `wrap_triton` switched to launching the kernel
   directly (what triton_op's own eager path does): the dispatcher's per-call cost is skipped,
   which matters because a linear step makes a dozen of these calls and small layers are
-  launch-bound (host costs per call are measured by benchmarks/launch_overhead.py).
+  launch-bound (host costs per call are measured by benchmarks/research/launch_overhead.py).
 
 The op is defined with torch.library's low-level API (`Library.define` + one
 CompositeExplicitAutograd kernel + a fake impl), not with `custom_op` / `triton_op`. Those put

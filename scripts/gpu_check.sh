@@ -57,12 +57,12 @@ step() {
 case "$part" in
 tests) step "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests ;;
 kernels)
-    step "$PYTHON" benchmarks/check_amax_gpu.py
+    step "$PYTHON" benchmarks/research/check_amax_gpu.py
     step "$PYTHON" benchmarks/bench_quantize.py --json "$out/bench_quantize.json" ;;
 linear)
     step "$PYTHON" benchmarks/bench_linear.py --json "$out/bench_linear.json"
     for r in nvfp4 mxfp8 nvfp4_fwd_mxfp8_bwd; do
-        step "$PYTHON" benchmarks/breakdown_linear.py --recipe "$r" --json "$out/breakdown_$r.json"
+        step "$PYTHON" benchmarks/research/breakdown_linear.py --recipe "$r" --json "$out/breakdown_$r.json"
     done ;;
 ab)
     step "$PYTHON" benchmarks/bench_quantize.py --only "SR,mxfp8" --json "$out/bench_quantize_new.json"

@@ -1,4 +1,4 @@
-"""benchmarks/sass_cpu.py: every quantization kernel a step runs, compiled for an H100 (sm_90)
+"""benchmarks/research/sass_cpu.py: every quantization kernel a step runs, compiled for an H100 (sm_90)
 on the CPU as the launcher specializes it, with no register spills, and the stochastic
 rounding's hash computed once a word by the threads that need it. A kernel change that spills (local
 memory traffic in a kernel judged by bytes) fails here, before any GPU sees it.
@@ -17,7 +17,8 @@ import pytest
 
 pytest.importorskip("triton")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "sass_cpu.py"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPT = BENCHMARKS / "research" / "sass_cpu.py"
 
 
 def sass_rows(out: Path, *args: str) -> list[dict]:
@@ -114,7 +115,7 @@ def test_a_register_cap_given_on_the_command_line_reaches_the_compiler(tmp_path)
     ],
 )
 def test_tile_overrides_refuse_what_no_launcher_reads(spec):
-    sys.path.insert(0, str(SCRIPT.parent))
+    sys.path.insert(0, str(BENCHMARKS))
     import tiles  # noqa: PLC0415 (benchmarks/tiles.py)
 
     with pytest.raises(SystemExit, match="--tiles"):
@@ -126,7 +127,7 @@ def test_tile_overrides_refuse_what_no_launcher_reads(spec):
 
 
 def test_a_sweeps_winners_print_as_a_tiles_option_that_parses_back():
-    sys.path.insert(0, str(SCRIPT.parent))
+    sys.path.insert(0, str(BENCHMARKS))
     import tiles  # noqa: PLC0415 (benchmarks/tiles.py)
 
     best = {"nvfp4:both_dq": (64, 64, 4, 128), "amax:hadamard": (32, 128, 4, 16)}

@@ -1,5 +1,5 @@
 """What a converted transformers Llama keeps for the backward when compiled, not only eagerly
-(tests/test_hf_llama.py checks each eager linear): benchmarks/saved_activations_cpu.py on the
+(tests/test_hf_llama.py checks each eager linear): benchmarks/research/saved_activations_cpu.py on the
 tiny Llama, through Inductor's min-cut partition on the kernel path's ops.
 
 The partitioner decides what a compiled forward saves, and it could as well keep a quantize
@@ -19,7 +19,9 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("triton")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "saved_activations_cpu.py"
+SCRIPT = (
+    Path(__file__).resolve().parents[1] / "benchmarks" / "research" / "saved_activations_cpu.py"
+)
 QUANTIZED = ["nvfp4", "mxfp8", "nvfp4_fwd_mxfp8_bwd"]
 
 

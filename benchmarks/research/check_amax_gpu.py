@@ -13,7 +13,7 @@
     bit for bit. The old tensor-core kernel is not kept: its figure is quoted from
     docs/KERNELS.md (205 us, 43.5% of the copy, H100, 2026-11-22).
 
-    python benchmarks/check_amax_gpu.py
+    python benchmarks/research/check_amax_gpu.py
 
 Prints a table and exits non-zero on any mismatch. Under 2 minutes on an H100.
 """
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # run as a script from anywhere
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/
+sys.path.insert(0, str(HERE))  # harness and bench_quantize, from anywhere
 sys.path.insert(1, str(HERE.parent))  # the blockscale next to this script, not an installed one
 
 import harness  # noqa: E402

@@ -4,7 +4,7 @@ On tiny inputs the GPU work is negligible, so back-to-back calls without synchro
 measure what the CPU spends per call. A layer whose GPU work per step is smaller than the
 sum of these costs is launch-bound (docs/KERNELS.md). A plain PyTorch op is the reference.
 
-    python benchmarks/launch_overhead.py
+    python benchmarks/research/launch_overhead.py
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, from anywhere
 
 import harness  # noqa: E402
 

@@ -23,7 +23,7 @@ buffers a compiled graph keeps longer). bench_model's step sets the gradients to
 the end of the forward the parameter state is 12 bytes a parameter (weight and AdamW's two
 moments); `floor_gib` adds the saved activations to it.
 
-    python benchmarks/saved_activations_cpu.py --models llama-1b,llama-8b --modes compile,eager \\
+    python benchmarks/research/saved_activations_cpu.py --models llama-1b,llama-8b --modes compile,eager \\
         --measured docs/results/bench_model_llama1b_eager_recompute_h100.json,... \\
         --out docs/results/saved_activations_cpu.json     # (no TRITON_INTERPRET)
 """
@@ -45,7 +45,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, from anywhere
 
 from bench_model import MODELS, RECIPES, build, logits_of  # noqa: E402
 

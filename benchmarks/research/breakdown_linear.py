@@ -13,7 +13,7 @@ step is the library's own code path. "host_us" is the CPU time of each call (Pyt
 launch); when the host's total per step approaches the step time, the step is launch-bound.
 The step's total is measured separately, without wrappers.
 
-    python benchmarks/breakdown_linear.py --recipe nvfp4 --shape 16384,4096,4096
+    python benchmarks/research/breakdown_linear.py --recipe nvfp4 --shape 16384,4096,4096
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, from anywhere
 
 import harness  # noqa: E402
 

@@ -28,7 +28,7 @@ The larger is the kernel's floor. The constants are the H100's (132 SMs, 1.755 G
 3.0 TB/s measured copy): an estimate to compare variants by before a GPU is at hand, not a
 measurement; a layout change can still behave differently on the device (docs/LOG.md).
 
-    python benchmarks/sass_cpu.py [--only nvfp4] [--json out.json]   # (no TRITON_INTERPRET)
+    python benchmarks/research/sass_cpu.py [--only nvfp4] [--json out.json]   # (no TRITON_INTERPRET)
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, from anywhere
 
 import replaced  # noqa: E402
 import tiles  # noqa: E402

@@ -9,7 +9,7 @@ height against that roof is its fraction of the copy bandwidth. Roofs: the devic
 copy bandwidth (bytes read + written per second) and the BF16 GEMM TFLOP/s (cuBLAS, largest
 ceiling measured in the breakdown runs).
 
-    python benchmarks/roofline.py --quantize docs/results/bench_quantize_h100.json \
+    python benchmarks/research/roofline.py --quantize docs/results/bench_quantize_h100.json \
         --breakdown docs/results/breakdown_nvfp4_h100.json --out docs/img/roofline_h100.png
 """
 

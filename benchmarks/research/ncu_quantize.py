@@ -7,7 +7,7 @@ own, which a plain --kernel-name filter would catch first). Run on the GPU machi
     ncu --nvtx --nvtx-include "target/" --kernel-name regex:quantize_kernel --launch-count 1 \\
         --section SpeedOfLight --section Occupancy \\
         --metrics regex:sm__inst_executed_pipe_.*\\.avg\\.pct_of_peak_sustained_active \\
-        python benchmarks/ncu_quantize.py "mxfp8 both + dq"
+        python benchmarks/research/ncu_quantize.py "mxfp8 both + dq"
 
 A per-group kernel of bench_grouped_mm.py takes `--grouped M,K,E` (tokens, hidden size,
 experts; uneven splits as that benchmark's), e.g. `--grouped 65536,7168,8 "nvfp4 bwd: rows
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, from anywhere
 
 from bench_quantize import SHAPE, cases, make_input  # noqa: E402
 

@@ -7,7 +7,7 @@ first call of `torch.compile(model)` runs Dynamo and AOTAutograd (forward and ba
 runs and Inductor is not timed. Prints the first call's seconds, the node counts of the
 forward and backward graphs and torch._dynamo's compile_times(). --profile FILE: cProfile.
 
-    python benchmarks/compile_trace_cpu.py --recipe nvfp4 --layers 8   # (no TRITON_INTERPRET)
+    python benchmarks/research/compile_trace_cpu.py --recipe nvfp4 --layers 8   # (no TRITON_INTERPRET)
 """
 
 import argparse
