@@ -141,8 +141,8 @@ def test_a_sweeps_winners_print_as_a_tiles_option_that_parses_back():
 
 
 def test_both_direction_kernels_stay_within_their_alu_budget(rows):
-    """The quantize kernels are bound by the H100's ALU pipe (docs/KERNELS.md, "2026-11-26
-    (later)"), so the ALU warp instructions a value (sass_cpu.PIPES) is their cost model. The
+    """The quantize kernels are bound by the H100's ALU pipe (docs/archive/KERNELS-2026-11.md,
+    "2026-11-26 (later)"), so the ALU warp instructions a value (sass_cpu.PIPES) is their cost model. The
     rewrite that moved their work to the FMA pipe took these from 2.01 (NVFP4 both SR + dq),
     1.70 (NVFP4 both + dq, then at 32x64/4) and 2.56 (MXFP8 both + dq) to 1.48, 1.18 and 1.55
     on Triton 3.6; the ceilings leave room for compiler drift but not for the integer

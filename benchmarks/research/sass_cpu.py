@@ -67,8 +67,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 # the quantize kernels: the ALU pipe (bit operations, shifts, integer adds, every compare,
 # select, min/max and PRMT) takes two cycles a warp instruction, the FMA pipe (float
 # multiply-adds and every IMAD form) one, the XU (conversions, MUFU) eight. Measured on the H100
-# (docs/KERNELS.md, "2026-11-26 (later)"): the ALU pipe was 74-88% busy, so its count, not the
-# instruction count, is what these kernels are bound by.
+# (docs/archive/KERNELS-2026-11.md, "2026-11-26 (later)"): the ALU pipe was 74-88% busy, so
+# its count, not the instruction count, is what these kernels are bound by.
 PIPES = {
     "alu": {"LOP3", "SHF", "IADD3", "ISETP", "FSETP", "FMNMX", "SEL", "FSEL", "PRMT", "VIMNMX",
             "SGXT", "LEA", "P2R", "R2P", "I2FP", "F2FP", "IABS", "VIADD", "VIADDMNMX", "BMSK",
