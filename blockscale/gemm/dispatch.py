@@ -34,7 +34,7 @@ from enum import StrEnum
 
 import torch
 
-from blockscale import _library
+from blockscale import _library, _registry
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.gemm import emulated, native
@@ -224,7 +224,7 @@ def _emulated_fused(
     return _gemm(a_dq, b_dq, amax_a, amax_b, bias, out_dtype)
 
 
-@_library.library_op("blockscale::emulated_gemm")
+@_registry.library_op("blockscale::emulated_gemm")
 def _gemm(
     a_dq: torch.Tensor,
     b_dq: torch.Tensor,

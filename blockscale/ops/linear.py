@@ -107,7 +107,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch._dynamo import nonstrict_trace
 
-from blockscale._library import tracing
+from blockscale._registry import tracing
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.gemm.dispatch import Backend, Transposed, resolve_backend, scaled_mm
 from blockscale.ops.quantize import (
