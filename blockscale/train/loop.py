@@ -1,4 +1,9 @@
-"""The training loop: one function, `train(cfg, run_dir)`, that a resumed run re-enters.
+"""The training loop: `train(cfg, run_dir)`, which a resumed run re-enters, and the `Trainer`
+it drives through named phases: build (model, data, optimizer; the mode splits the model over
+the ranks), resume, prepare the run directory, then `run`: each step (`train_step`) followed by
+what is due after it (`log_train`, `evaluate_held_out`, `probe_numerics`, `save_checkpoint`),
+and `finish`. One process or several ranks (--fsdp, --tp, --ep) differ only in the mode object
+(train/parallel.py), never by a branch in the loop.
 
 A run directory holds `config.json`, `metrics.jsonl` (one JSON object a line), `checkpoints/`
 and, once the loop stops, `summary.json`. Metric rows carry a `kind`:
