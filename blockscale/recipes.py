@@ -45,9 +45,34 @@ from enum import Enum, StrEnum
 
 from blockscale.gemm.dispatch import Backend
 
+__all__ = [
+    "BF16_OPERAND",
+    "Backend",
+    "Format",
+    "GradInputGemm",
+    "GradWeightGemm",
+    "OperandConfig",
+    "OutputGemm",
+    "Recipe",
+    "Rounding",
+    "bf16",
+    "get",
+    "mxfp8",
+    "names",
+    "nvfp4",
+    "nvfp4_fwd_mxfp8_bwd",
+    "require_recipe",
+]
+
 
 class Format(StrEnum):
-    """A number format. BF16 means "not quantized": the operand stays in high precision."""
+    """A number format. BF16 means "not quantized": the operand stays in high precision.
+
+    >>> bs.recipes.get("nvfp4").output.input.format
+    <Format.NVFP4: 'nvfp4'>
+    >>> bs.recipes.Format("mxfp8") is bs.recipes.Format.MXFP8
+    True
+    """
 
     BF16 = "bf16"
     NVFP4 = "nvfp4"
@@ -55,6 +80,13 @@ class Format(StrEnum):
 
 
 class Rounding(StrEnum):
+    """How an operand's values round to its format: to the nearest (ties to even), or
+    stochastically (unbiased in expectation: NVFP4 gradients).
+
+    >>> bs.recipes.get("nvfp4").grad_input.grad_output.rounding
+    <Rounding.STOCHASTIC: 'stochastic'>
+    """
+
     NEAREST = "nearest"
     STOCHASTIC = "stochastic"
 
@@ -82,6 +114,10 @@ class OperandConfig:
     The block always runs along the operand's contraction dimension (for a `_t` operand the
     token dimension); `block` names its shape in the operand's own layout: "1x16" (NVFP4),
     "16x16" (NVFP4 weights only), "1x32" (MXFP8), None (BF16).
+
+    >>> op = bs.recipes.OperandConfig("nvfp4", rounding="stochastic", hadamard=True)
+    >>> op.block, op.block_size, op.describe()
+    ('1x16', 16, 'nvfp4 1x16, stochastic, hadamard')
     """
 
     format: Format = Format.BF16
@@ -152,7 +188,11 @@ def _no_2d(gemm: str, name: str, op: OperandConfig) -> None:
 
 @dataclass(frozen=True)
 class OutputGemm:
-    """output = input @ weight.T, contracting K."""
+    """output = input @ weight.T, contracting K.
+
+    >>> bs.recipes.get("nvfp4").output.weight.describe()
+    'nvfp4 16x16, nearest'
+    """
 
     input: OperandConfig = BF16_OPERAND
     weight: OperandConfig = BF16_OPERAND
@@ -165,7 +205,11 @@ class OutputGemm:
 
 @dataclass(frozen=True)
 class GradInputGemm:
-    """grad_input = grad_output @ weight, contracting N (the weight quantized columnwise)."""
+    """grad_input = grad_output @ weight, contracting N (the weight quantized columnwise).
+
+    >>> bs.recipes.get("nvfp4").grad_input.grad_output.describe()
+    'nvfp4 1x16, stochastic'
+    """
 
     grad_output: OperandConfig = BF16_OPERAND
     weight: OperandConfig = BF16_OPERAND
@@ -178,7 +222,11 @@ class GradInputGemm:
 
 @dataclass(frozen=True)
 class GradWeightGemm:
-    """grad_weight = grad_output_t @ input_t.T, contracting M (both operands along tokens)."""
+    """grad_weight = grad_output_t @ input_t.T, contracting M (both operands along tokens).
+
+    >>> bs.recipes.get("nvfp4").grad_weight.input_t.describe()
+    'nvfp4 1x16, nearest, hadamard'
+    """
 
     grad_output_t: OperandConfig = BF16_OPERAND
     input_t: OperandConfig = BF16_OPERAND
@@ -197,7 +245,13 @@ class GradWeightGemm:
 
 @dataclass(frozen=True)
 class Recipe:
-    """The treatment of all six GEMM operands of a linear layer, plus the GEMM backend."""
+    """The treatment of all six GEMM operands of a linear layer, plus the GEMM backend.
+
+    >>> nvfp4 = bs.recipes.OperandConfig("nvfp4")
+    >>> r = bs.recipes.Recipe("fwd-only", output=bs.recipes.OutputGemm(nvfp4, nvfp4))
+    >>> r.quantized, r.grad_input.weight.describe()  # the backward stays in high precision
+    (True, 'bf16')
+    """
 
     name: str
     output: OutputGemm = OutputGemm()
@@ -242,7 +296,13 @@ class Recipe:
 
 
 def require_recipe(recipe: object) -> Recipe:
-    """`recipe`, checked: a TypeError that names what was passed where a Recipe belongs."""
+    """`recipe`, checked: a TypeError that names what was passed where a Recipe belongs.
+
+    >>> bs.recipes.require_recipe("nvfp4")
+    Traceback (most recent call last):
+        ...
+    TypeError: recipe must be a blockscale Recipe, got str
+    """
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a blockscale Recipe, got {type(recipe).__name__}")
     return recipe
@@ -259,7 +319,11 @@ _MXFP8 = OperandConfig(Format.MXFP8, "1x32")
 
 
 def bf16() -> Recipe:
-    """No quantization: every GEMM in the input's precision (plain F.linear)."""
+    """No quantization: every GEMM in the input's precision (plain F.linear).
+
+    >>> bs.recipes.bf16().quantized
+    False
+    """
     return Recipe("bf16")
 
 
@@ -276,6 +340,10 @@ def nvfp4(
 
     Switches: `hadamard` (the wgrad transform), `stochastic_rounding` (on both grad_output
     copies), `weight_2d` (16x16 weight blocks).
+
+    >>> r = bs.recipes.nvfp4(hadamard=False)
+    >>> r.grad_weight.input_t.describe()
+    'nvfp4 1x16, nearest'
     """
     wblock = "16x16" if weight_2d else "1x16"
     return Recipe(
@@ -295,6 +363,10 @@ def nvfp4_fwd_mxfp8_bwd(weight_2d: bool = True) -> Recipe:
     """NVFP4 forward (input 1x16, weight 16x16, nearest), MXFP8 1x32 for both backward GEMMs.
 
     The weight is quantized twice: NVFP4 along K for the forward, MXFP8 along N for dgrad.
+
+    >>> r = bs.recipes.nvfp4_fwd_mxfp8_bwd()
+    >>> r.output.weight.describe(), r.grad_input.weight.describe()
+    ('nvfp4 16x16, nearest', 'mxfp8 1x32, nearest')
     """
     return Recipe(
         "nvfp4_fwd_mxfp8_bwd",
@@ -305,7 +377,11 @@ def nvfp4_fwd_mxfp8_bwd(weight_2d: bool = True) -> Recipe:
 
 
 def mxfp8() -> Recipe:
-    """MXFP8 (E4M3 values, E8M0 scales per 32) for every operand, each along its contraction."""
+    """MXFP8 (E4M3 values, E8M0 scales per 32) for every operand, each along its contraction.
+
+    >>> bs.recipes.mxfp8().output.input.block
+    '1x32'
+    """
     return Recipe(
         "mxfp8",
         OutputGemm(input=_MXFP8, weight=_MXFP8),
@@ -323,12 +399,20 @@ _REGISTRY: dict[str, Callable[..., Recipe]] = {
 
 
 def names() -> list[str]:
-    """The names `get` accepts."""
+    """The names `get` accepts.
+
+    >>> sorted(bs.recipes.names())
+    ['bf16', 'mxfp8', 'nvfp4', 'nvfp4_fwd_mxfp8_bwd']
+    """
     return list(_REGISTRY)
 
 
 def get(name: str, **switches: bool) -> Recipe:
-    """The named recipe with its switches set, e.g. `get("nvfp4", hadamard=False)`."""
+    """The named recipe with its switches set, e.g. `get("nvfp4", hadamard=False)`.
+
+    >>> bs.recipes.get("nvfp4", stochastic_rounding=False).grad_input.grad_output.rounding
+    <Rounding.NEAREST: 'nearest'>
+    """
     try:
         build = _REGISTRY[name]
     except KeyError:

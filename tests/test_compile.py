@@ -13,7 +13,7 @@ Inductor relaxes by default what the quantizers rely on (Triton's FP32 `/` is ap
 BF16 round trips between fused ops are dropped, `a * b + c` may become an FMA);
 `blockscale.ops.EXACT_INDUCTOR_OPTIONS` restores eager's behaviour for that CPU reference path.
 The Triton kernel path (CUDA) needs no options: its quantizers and GEMM epilogues are opaque
-library ops that Inductor calls as they are (blockscale/_library.py), which the kernel-path
+library ops that Inductor calls as they are (blockscale/_registry.py), which the kernel-path
 tests here check in Triton's interpreter and the GPU tests check under plain torch.compile.
 """
 
@@ -196,7 +196,7 @@ def test_compile_first_kernel_path_caches_no_fake_hadamard(kernel_path_on_cpu):
 def test_kernel_path_compiles_to_opaque_ops_with_eager_bits(
     kernel_path_on_cpu, fused_gemm, monkeypatch
 ):
-    """Under torch.compile every Triton-backed op stays one opaque op (docs in _library.py):
+    """Under torch.compile every Triton-backed op stays one opaque op (docs in _registry.py):
     AOTAutograd does not decompose it into kernel launches, which cost Triton-IR analysis per
     call and per-call-site kernel compiles (the GPU compile of a 16-block Llama stalled on
     them). The compiled step then runs eager's kernels, so it gives eager's bits under plain
@@ -239,7 +239,7 @@ def test_kernel_path_stores_an_activation_the_amax_and_quantize_ops_share_once(
     """amax_2d and nvfp4_quantize_2d read the same activation; where it is a cheap pointwise
     node (a cast), Inductor stored one copy for each op while they required the traced
     strides: the backward cast of the FP32 residual gradient to a BF16 grad_output was written
-    twice, on an H100 once by a kernel of its own (blockscale/_library.py, "Input layouts").
+    twice, on an H100 once by a kernel of its own (blockscale/_registry.py, "Input layouts").
     Both ops must read one buffer: here the forward's `x * 2` and, under BF16 autocast, the
     backward's cast of the FP32 residual gradient."""
     import re

@@ -35,7 +35,7 @@ import pytest
 from blockscale.cli import main
 from blockscale.train import TrainConfig, UsageError, eval_run, read_metrics, train
 from blockscale.train import checkpoint as ckpt
-from blockscale.train.loop import _carried_over
+from blockscale.train.parallel import carried_over
 from blockscale.train.ranks import Ranks, check_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -244,13 +244,13 @@ def test_loop_sums_carried_onto_another_number_of_ranks():
         {"loss_sum": 1.5, "loss_steps": 2, "aux_sum": 0.25, "expert_tokens": [[1, 2]]},
         {"loss_sum": 2.5, "loss_steps": 2, "aux_sum": 0.5, "expert_tokens": [[3, 4]]},
     ]
-    assert _carried_over(written, Ranks(1, 2, sharded=True)) == written[1]
-    assert _carried_over(written, Ranks(0, 1, sharded=True)) == {
+    assert carried_over(written, Ranks(1, 2, sharded=True)) == written[1]
+    assert carried_over(written, Ranks(0, 1, sharded=True)) == {
         "loss_sum": 4.0,
         "loss_steps": 2,
         "aux_sum": 0.75,
         "expert_tokens": [[4, 6]],
     }
-    other = _carried_over(written[:1], Ranks(1, 2, sharded=True))
+    other = carried_over(written[:1], Ranks(1, 2, sharded=True))
     assert other == {"loss_sum": 0.0, "loss_steps": 2, "aux_sum": 0.0, "expert_tokens": [[0, 0]]}
     assert isinstance(other["loss_sum"], float) and isinstance(other["aux_sum"], float)

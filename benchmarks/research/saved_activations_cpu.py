@@ -147,7 +147,7 @@ def saved_eager(model: torch.nn.Module, tokens: torch.Tensor) -> list[tuple[str,
             return t
 
         # linear's eager-only rules (the shared input) read `tracing()` in its own namespace;
-        # the library ops keep taking the op route (fake impls) through _library's
+        # the library ops keep taking the op route (fake impls) through _registry's
         tracing = linear_ops.tracing
         linear_ops.tracing = lambda: False
         try:

@@ -73,7 +73,12 @@ SEAMS = ("run_experts", "routing_totals")
 
 @dataclass(frozen=True)
 class ExpertShard:
-    """Which experts a rank holds: [first, first + n_local) of n_experts, over `group`."""
+    """Which experts a rank holds: [first, first + n_local) of n_experts, over `group`.
+
+    >>> shard = bs.distributed.ExpertShard(group=None, rank=1, world_size=4, n_experts=8)
+    >>> shard.first, shard.n_local  # rank 1 holds experts 2 and 3
+    (2, 2)
+    """
 
     group: dist.ProcessGroup | None
     rank: int
@@ -186,7 +191,17 @@ def enable_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None = N
     `blockscale.convert` (converting later finds no experts when a rank keeps only one) and
     before building the optimizer (the expert weights become new, smaller Parameters). Raises
     ValueError if the model has no MoE layer, one is already expert-parallel, or a layer's
-    expert count is not divisible by the group size."""
+    expert count is not divisible by the group size.
+
+    >>> import torch.distributed as dist
+    >>> from blockscale.models import build_model, model_config
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> model = build_model(model_config("moe-tiny"))
+    >>> model = bs.convert(model, bs.recipes.get("mxfp8"), bs.nn.layer_policy(model))
+    >>> bs.distributed.enable_expert_parallel(model)  # MoE layers split (one rank: all local)
+    2
+    >>> dist.destroy_process_group()
+    """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     layers = {name: m for name, m in model.named_modules() if _is_moe_layer(m)}
     if not layers:

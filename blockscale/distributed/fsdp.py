@@ -239,7 +239,13 @@ class GatherLayout:
 
 class ShardedWeight(torch.Tensor):
     """The FP32 (master) weight of a quantized layer, as FSDP2 shards it: every op sees the
-    wrapped tensor, and FSDP's all-gather sends it quantized (see the module docstring)."""
+    wrapped tensor, and FSDP's all-gather sends it quantized (see the module docstring).
+
+    >>> model = bs.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), bs.recipes.get("nvfp4"))
+    >>> _ = bs.distributed.enable_quantized_all_gather(model)
+    >>> isinstance(model[0].weight, bs.distributed.ShardedWeight)
+    True
+    """
 
     _data: torch.Tensor
     _layout: GatherLayout | None = None  # what the first all-gather sent
@@ -348,7 +354,12 @@ def enable_quantized_all_gather(model: nn.Module) -> int:
     """Make FSDP2 all-gather the weights of `model`'s quantized blockscale Linears as NVFP4 /
     MXFP8 (see this module's docstring). Call after `convert` and before `fully_shard`;
     returns the number of weights changed. A Parameter shared by several layers is wrapped
-    once."""
+    once.
+
+    >>> model = bs.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), bs.recipes.get("nvfp4"))
+    >>> bs.distributed.enable_quantized_all_gather(model)  # then fully_shard(model) as usual
+    1
+    """
     from torch.distributed.tensor import DTensor  # noqa: PLC0415 (not needed before)
 
     done: dict[int, nn.Parameter] = {}

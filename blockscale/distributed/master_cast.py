@@ -93,7 +93,13 @@ def to_nvfp4_primary_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     (forward and grad_input) by a `QuantizedWeight` Parameter holding that copy, quantized
     from the current weight; returns {parameter name: the high-precision weight} (the values
     to build FP32 masters from). The new weights keep the old dtype, so grad_weight comes out
-    in it. Layers of other recipes keep their weights (their name is not in the result)."""
+    in it. Layers of other recipes keep their weights (their name is not in the result).
+
+    >>> model = bs.convert(torch.nn.Sequential(torch.nn.Linear(64, 32)), bs.recipes.get("nvfp4"))
+    >>> masters = bs.distributed.to_nvfp4_primary_weights(model)
+    >>> list(masters), masters["0.weight"].shape
+    (['0.weight'], torch.Size([32, 64]))
+    """
     masters: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         if not (isinstance(module, Linear) and module.quantize_enabled):
@@ -295,7 +301,19 @@ def cast_master_weights_to_nvfp4(
     place, bit-identical to quantizing each whole weight on one rank (see the module
     docstring). Collective: every rank of `group` calls it with the same `model_weights`.
     CUDA weights run the Triton kernels when Triton is installed, others the PyTorch
-    reference (`_library.use_kernels`); both give the same bits."""
+    reference (`_library.use_kernels`); both give the same bits.
+
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> model = bs.convert(torch.nn.Sequential(torch.nn.Linear(64, 32)), bs.recipes.get("nvfp4"))
+    >>> master = bs.distributed.to_nvfp4_primary_weights(model)["0.weight"].float().flatten()
+    >>> master += 0.01  # an optimizer step on this rank's slice (here: the whole weight)
+    >>> bs.distributed.cast_master_weights_to_nvfp4([model[0].weight], [master], [0])
+    >>> want = bs.nvfp4.quantize(master.view(32, 64), block="16x16")
+    >>> torch.equal(model[0].weight.rowwise.data, want.data)  # as if quantized whole
+    True
+    >>> dist.destroy_process_group()
+    """
     if not len(model_weights) == len(master_weight_shards) == len(start_offsets):
         raise ValueError(
             f"{len(model_weights)} weights, {len(master_weight_shards)} master shards and "

@@ -258,7 +258,21 @@ class QuantizedColwiseParallel(ColwiseParallel):
     """torch's ColwiseParallel (same arguments and layouts) for converted blockscale Linears:
     the weight [N, K] is sharded along N and each rank computes its output columns with
     `blockscale.linear`, amaxes of the weight and grad_output reduced over the mesh. Other
-    modules (nn.Linear, nn.Embedding, bf16 layers) get torch's ColwiseParallel."""
+    modules (nn.Linear, nn.Embedding, bf16 layers) get torch's ColwiseParallel.
+
+    >>> import torch.distributed as dist
+    >>> from torch.distributed.device_mesh import init_device_mesh
+    >>> from torch.distributed.tensor.parallel import parallelize_module
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> mlp = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))
+    >>> mlp = bs.convert(mlp, bs.recipes.get("nvfp4"))
+    >>> plan = {"0": bs.distributed.QuantizedColwiseParallel(),
+    ...         "1": bs.distributed.QuantizedRowwiseParallel()}
+    >>> mlp = parallelize_module(mlp, init_device_mesh("cpu", (1,)), plan)
+    >>> mlp(torch.randn(4, 64)).shape
+    torch.Size([4, 64])
+    >>> dist.destroy_process_group()
+    """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         output = self.output_layouts[0]
@@ -270,7 +284,21 @@ class QuantizedRowwiseParallel(RowwiseParallel):
     the weight [N, K] is sharded along K, each rank multiplies its input columns with
     `blockscale.linear` (amaxes of the input, its token copy and the weight reduced over the
     mesh) and the partial outputs are summed (all-reduce, or reduce-scatter for a sharded
-    output layout), then the bias is added. Other modules get torch's RowwiseParallel."""
+    output layout), then the bias is added. Other modules get torch's RowwiseParallel.
+
+    >>> import torch.distributed as dist
+    >>> from torch.distributed.device_mesh import init_device_mesh
+    >>> from torch.distributed.tensor.parallel import parallelize_module
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> mlp = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))
+    >>> mlp = bs.convert(mlp, bs.recipes.get("nvfp4"))
+    >>> plan = {"0": bs.distributed.QuantizedColwiseParallel(),
+    ...         "1": bs.distributed.QuantizedRowwiseParallel()}
+    >>> mlp = parallelize_module(mlp, init_device_mesh("cpu", (1,)), plan)
+    >>> mlp(torch.randn(4, 64)).shape
+    torch.Size([4, 64])
+    >>> dist.destroy_process_group()
+    """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         output = self.output_layouts[0]
@@ -357,7 +385,15 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> None:
     `model` over `tp` ranks: whole heads per rank (n_heads divisible by tp), an even split of
     the MLP's hidden features, and shards of whole blocks in every quantized layer (for
     `nvfp4` each part's rows and each row-wise K a multiple of 16·tp; 32·tp for MXFP8
-    operands). Touches nothing; needs no process group."""
+    operands). Touches nothing; needs no process group.
+
+    >>> from blockscale.models import build_model, model_config
+    >>> model = build_model(model_config("tiny"))
+    >>> bs.distributed.check_tensor_parallel(model, 3)
+    Traceback (most recent call last):
+        ...
+    ValueError: layers.0.attn: n_heads=4 does not split over 3 tensor-parallel ranks ...
+    """
     if tp < 1:
         raise ValueError(f"tensor-parallel degree {tp} is not a positive number of ranks")
     for name, attn, mlp in _stacked_layers(model):
@@ -386,7 +422,13 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     """The `parallelize_module` plan of blockscale's own models (by module name): `wqkv`
     column-wise with q, k and v each split by heads, `wo` row-wise; a dense MLP's `w13`
     column-wise with gate and up each split, `w2` row-wise. Embeddings, norms, `lm_head` and
-    MoE layers are not in it (replicated)."""
+    MoE layers are not in it (replicated).
+
+    >>> from blockscale.models import build_model, model_config
+    >>> plan = bs.distributed.tensor_parallel_plan(build_model(model_config("tiny")))
+    >>> sorted(plan)[:4]
+    ['layers.0.attn.wo', 'layers.0.attn.wqkv', 'layers.0.mlp.w13', 'layers.0.mlp.w2']
+    """
     plan: dict[str, ParallelStyle] = {}
     for name, _, mlp in _stacked_layers(model):
         plan[f"{name}.attn.wqkv"] = _StackedColwiseParallel(parts=3)
@@ -402,7 +444,19 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     `tensor_parallel_plan`, after `check_tensor_parallel` (a ValueError before anything
     changes). Every rank must hold the same weights (build from the same seed) and feed the
     same tokens; the logits come out whole on every rank. Call it after `convert` and before
-    the optimizer (the parameters become DTensors)."""
+    the optimizer (the parameters become DTensors).
+
+    >>> import torch.distributed as dist
+    >>> from torch.distributed.device_mesh import init_device_mesh
+    >>> from blockscale.models import build_model, model_config
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> model = build_model(model_config("tiny"))
+    >>> model = bs.convert(model, bs.recipes.get("nvfp4"), bs.nn.layer_policy(model))
+    >>> model = bs.distributed.apply_tensor_parallel(model, init_device_mesh("cpu", (1,)))
+    >>> model(torch.randint(0, 256, (1, 32))).shape  # whole logits on every rank
+    torch.Size([1, 32, 256])
+    >>> dist.destroy_process_group()
+    """
     if mesh.ndim != 1:
         raise ValueError(
             f"apply_tensor_parallel takes a 1-D mesh (the TP group), not {mesh.ndim}-D"

@@ -63,7 +63,13 @@ def _tensors(q: Container) -> list[torch.Tensor]:
 
 
 class QuantizedWeight(torch.Tensor):
-    """A [N, K] weight made of its quantized copies (see the module docstring)."""
+    """A [N, K] weight made of its quantized copies (see the module docstring).
+
+    >>> model = bs.convert(torch.nn.Sequential(torch.nn.Linear(64, 32)), bs.recipes.get("nvfp4"))
+    >>> _ = bs.distributed.to_nvfp4_primary_weights(model)
+    >>> isinstance(model[0].weight, bs.distributed.QuantizedWeight), model[0].weight.shape
+    (True, torch.Size([32, 64]))
+    """
 
     rowwise: Container
     columnwise: Container | None

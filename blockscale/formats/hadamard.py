@@ -33,7 +33,14 @@ def matrix(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """H = (1/4) * diag(signs) @ H16 (entries +-1/4, exact in every float dtype)."""
+    """H = (1/4) * diag(signs) @ H16 (entries +-1/4, exact in every float dtype).
+
+    >>> H = bs.hadamard.matrix()
+    >>> H.shape, H.abs().unique().tolist()
+    (torch.Size([16, 16]), [0.25])
+    >>> torch.equal(H @ H.T, torch.eye(16))  # orthonormal, exactly
+    True
+    """
     if len(signs) != SIZE or any(s not in (1, -1) for s in signs):
         raise ValueError(f"signs must be {SIZE} values of +1 or -1, got {signs}")
     # Built on the device from arange and bit arithmetic, with no host-to-device copy, so
@@ -48,7 +55,13 @@ def matrix(
 
 
 def transform(x: torch.Tensor, signs: tuple[int, ...] = DEFAULT_SIGNS) -> torch.Tensor:
-    """Apply y = x16 @ H to every run of 16 values along the last dim; returns BF16."""
+    """Apply y = x16 @ H to every run of 16 values along the last dim; returns BF16.
+
+    >>> x = torch.randn(2, 32)
+    >>> y = bs.hadamard.transform(x)
+    >>> y.shape, y.dtype
+    (torch.Size([2, 32]), torch.bfloat16)
+    """
     if x.dim() == 0 or x.shape[-1] % SIZE:
         raise ValueError(
             f"last dim {tuple(x.shape)[-1:]} is not a multiple of {SIZE} (Hadamard block)"

@@ -26,7 +26,14 @@ MIN_EXPONENT, MAX_EXPONENT = -127, 127
 @dataclass
 class MXFP8Tensor:
     """data: float8_e4m3fn [..., K]; scale: float8_e8m0fnu [..., K/32]; `shape` is the
-    logical shape ([K, M] for a transpose=True copy of an [M, K] input)."""
+    logical shape ([K, M] for a transpose=True copy of an [M, K] input).
+
+    >>> m = bs.mxfp8.quantize(torch.randn(4, 64))
+    >>> m.data.dtype, m.scale.dtype, m.scale.shape
+    (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.Size([4, 2]))
+    >>> m.dequantize(torch.float32).shape
+    torch.Size([4, 64])
+    """
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -51,7 +58,14 @@ def scale_exponents(block_amax: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, transpose: bool = False) -> MXFP8Tensor:
-    """Quantize x in 1x32 blocks along its last dim (first dim with transpose=True)."""
+    """Quantize x in 1x32 blocks along its last dim (first dim with transpose=True).
+
+    >>> x = torch.tensor([[1.0, -2.0, 0.5, 448.0] * 8])  # E4M3 values: exact
+    >>> torch.equal(bs.mxfp8.quantize(x).dequantize(torch.float32), x)
+    True
+    >>> bs.mxfp8.quantize(torch.randn(64, 32), transpose=True).shape  # the columnwise copy
+    torch.Size([32, 64])
+    """
     check_flags("MXFP8", transpose=transpose)
     x2 = as_2d(x, "MXFP8", transpose)
     rows, cols = x2.shape

@@ -36,6 +36,12 @@ class NVFP4Tensor:
     data:  uint8 [..., K/2], element 2i in the low nibble
     scale: float8_e4m3fn [..., K/16] row-major (16x16: each tile's scale on its 16 rows)
     amax:  FP32 scalar the global scale came from
+
+    >>> q = bs.nvfp4.quantize(torch.randn(4, 32))
+    >>> q.data.shape, q.scale.shape, q.amax.dtype  # two codes a byte, one scale per 16
+    (torch.Size([4, 16]), torch.Size([4, 2]), torch.float32)
+    >>> q.dequantize(torch.float32).shape
+    torch.Size([4, 32])
     """
 
     data: torch.Tensor
@@ -132,6 +138,12 @@ def quantize(
     hadamard:  apply the 16x16 RHT along the quantized dim first (rounded to BF16)
     amax:      use this tensor amax instead of max|x| (e.g. one reduced over ranks): a float32
                tensor of one value, >= 0 (NaN or Inf for non-finite input)
+
+    >>> x = torch.tensor([[0.0, 0.4, 1.1, 1.6, 2.2, 2.9, 4.1, -6.0] * 2])
+    >>> bs.nvfp4.quantize(x).dequantize(torch.float32)[0, :8]  # the nearest E2M1 values
+    tensor([ 0.0000,  0.5000,  1.0000,  1.5000,  2.0000,  3.0000,  4.0000, -6.0000])
+    >>> bs.nvfp4.quantize(torch.randn(32, 64), block="16x16", transpose=True).shape
+    torch.Size([64, 32])
     """
     check_flags("NVFP4", hadamard=hadamard, transpose=transpose)
     if amax is not None:

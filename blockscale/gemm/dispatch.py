@@ -34,7 +34,7 @@ from enum import StrEnum
 
 import torch
 
-from blockscale import _library
+from blockscale import _library, _registry
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.gemm import emulated, native
@@ -79,7 +79,11 @@ FUSED_FP32_MAX_K = 4096
 
 
 class Backend(StrEnum):
-    """Where block-scaled GEMMs run. AUTO: native on compute capability >= 10.0, else emulated."""
+    """Where block-scaled GEMMs run. AUTO: native on compute capability >= 10.0, else emulated.
+
+    >>> bs.gemm.resolve_backend(bs.gemm.Backend.AUTO, torch.device("cpu"))
+    <Backend.EMULATED: 'emulated'>
+    """
 
     AUTO = "auto"
     EMULATED = "emulated"
@@ -88,7 +92,13 @@ class Backend(StrEnum):
 
 @dataclass
 class Transposed:
-    """Stands for `base.t()` of a 2-D 16x16 NVFP4 tensor without building it eagerly."""
+    """Stands for `base.t()` of a 2-D 16x16 NVFP4 tensor without building it eagerly.
+
+    >>> w = bs.nvfp4.quantize(torch.randn(32, 64), block="16x16")
+    >>> t = bs.gemm.Transposed(w)
+    >>> t.shape, torch.equal(t.dq(), w.dq().t())
+    (torch.Size([64, 32]), True)
+    """
 
     base: NVFP4Tensor
 
@@ -122,7 +132,11 @@ Operand = NVFP4Tensor | MXFP8Tensor | Transposed
 
 
 def resolve_backend(backend: Backend | str, device: torch.device) -> Backend:
-    """The concrete backend (emulated or native) for `backend` on `device`."""
+    """The concrete backend (emulated or native) for `backend` on `device`.
+
+    >>> bs.gemm.resolve_backend("auto", torch.device("cpu"))
+    <Backend.EMULATED: 'emulated'>
+    """
     if not isinstance(backend, Backend):
         # (constructing the enum from its value is done only for strings: Dynamo in torch
         # 2.11 cannot trace Backend(Backend.X), which compiled linears would otherwise hit)
@@ -224,7 +238,7 @@ def _emulated_fused(
     return _gemm(a_dq, b_dq, amax_a, amax_b, bias, out_dtype)
 
 
-@_library.library_op("blockscale::emulated_gemm")
+@_registry.library_op("blockscale::emulated_gemm")
 def _gemm(
     a_dq: torch.Tensor,
     b_dq: torch.Tensor,
@@ -323,7 +337,17 @@ def scaled_mm(
     bias: torch.Tensor | None = None,
     backend: Backend | str = Backend.AUTO,
 ) -> torch.Tensor:
-    """a @ b.T * alpha (+ bias [N], added in FP32 before the single cast to `out_dtype`)."""
+    """a @ b.T * alpha (+ bias [N], added in FP32 before the single cast to `out_dtype`).
+
+    >>> x, w = torch.randn(8, 64), torch.randn(32, 64)
+    >>> a, b = bs.nvfp4.quantize(x), bs.nvfp4.quantize(w)
+    >>> out = bs.gemm.scaled_mm(a, b)
+    >>> out.shape, out.dtype
+    (torch.Size([8, 32]), torch.float32)
+    >>> ref = a.dequantize(torch.float32) @ b.dequantize(torch.float32).T
+    >>> torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+    True
+    """
     _check(a, b, bias)
     if out_dtype not in emulated.OUT_DTYPES:
         raise ValueError(f"out_dtype {out_dtype} is not one of {emulated.OUT_DTYPES}")

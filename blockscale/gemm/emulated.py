@@ -13,7 +13,7 @@ multiplied in FP32: the same products, still exact, with FP32 accumulation.
 
 import torch
 
-from blockscale._library import library_op
+from blockscale._registry import library_op
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import NVFP4Tensor
 

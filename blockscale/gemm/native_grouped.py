@@ -86,7 +86,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from blockscale import _library
+from blockscale import _library, _registry
 from blockscale.formats import mxfp8, nvfp4
 from blockscale.formats import swizzle as ref
 
@@ -283,7 +283,7 @@ def zero_unwritten(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return out.masked_fill_(empty.view(-1, 1, 1), 0)
 
 
-@_library.library_op("blockscale::native_scaled_grouped_mm")
+@_registry.library_op("blockscale::native_scaled_grouped_mm")
 def _scaled_grouped_mm(
     a_data: torch.Tensor,
     a_scale: torch.Tensor,

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blockscale._library import library_op
+from blockscale._registry import library_op
 from blockscale.formats import hadamard as rht
 from blockscale.kernels._common import abs_bits, cdiv, max_keep_nan, round_to_bf16
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blockscale._library import library_op
+from blockscale._registry import library_op
 from blockscale.kernels._common import (
     abs_bits,
     bf16_bits,

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blockscale._library import library_op
+from blockscale._registry import library_op
 from blockscale.formats.grouped import TokenLayout
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import NVFP4Tensor

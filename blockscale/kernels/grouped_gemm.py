@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from blockscale._library import library_op
+from blockscale._registry import library_op
 from blockscale.kernels._common import bf16_bits, cdiv, interpreting, round_to_bf16
 from blockscale.kernels.epilogue import _decode_scale, _mul_rn
 from blockscale.kernels.gemm import _programs, _tile

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blockscale._library import library_op
+from blockscale._registry import library_op
 from blockscale.kernels._common import abs_bits, cdiv
 from blockscale.kernels.grouped_gemm import _find_group
 from blockscale.kernels.nvfp4 import _e2m1

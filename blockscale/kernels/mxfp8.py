@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blockscale._library import library_op
+from blockscale._registry import library_op
 from blockscale.formats import _checks
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.kernels._common import (

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.language import core
 
-from blockscale._library import library_op
+from blockscale._registry import library_op
 from blockscale.formats import _checks
 from blockscale.formats.nvfp4 import BLOCKS, ROUNDINGS, NVFP4Tensor
 from blockscale.kernels._common import (

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blockscale._library import library_op
+from blockscale._registry import library_op
 from blockscale.formats import swizzle as ref
 from blockscale.kernels._common import cdiv
 

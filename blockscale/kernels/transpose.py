@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blockscale._library import library_op
+from blockscale._registry import library_op
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.kernels._common import cdiv
 

@@ -75,6 +75,11 @@ def convert(
     (True converts); `layer_policy(model)` builds the paper's. An already converted layer or
     experts module gets the new recipe. A bare nn.Linear passed as `model` cannot be swapped
     in place: the converted layer is returned instead.
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+    >>> model = bs.convert(model, bs.recipes.get("nvfp4"))
+    >>> isinstance(model[0], bs.nn.Linear), model(torch.randn(4, 64)).shape
+    (True, torch.Size([4, 32]))
     """
     require_recipe(recipe)
     counts = {"total": 0, "converted": 0, "expert_total": 0, "expert_converted": 0}
@@ -225,7 +230,14 @@ def _find_blocks(model: nn.Module, blocks: str | None) -> tuple[str, int] | None
 class LayerPolicy:
     """A `module_filter_fn`: True (convert) unless the layer (a linear or an experts module) is
     in a BF16 block or is named like a head, embedding or router, or is, outside the blocks,
-    an LM head by its vocabulary-sized output."""
+    an LM head by its vocabulary-sized output.
+
+    >>> blocks = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(4)])
+    >>> model = torch.nn.ModuleDict({"layers": blocks, "lm_head": torch.nn.Linear(64, 256)})
+    >>> policy = bs.nn.layer_policy(model)  # the last block and the head stay in BF16
+    >>> policy.bf16_blocks, policy(blocks[0], "layers.0"), policy(model["lm_head"], "lm_head")
+    (frozenset({3}), True, False)
+    """
 
     blocks: str | None
     bf16_blocks: frozenset[int]
@@ -272,6 +284,12 @@ def layer_policy(
         large scale).
     bf16_names:         fnmatch patterns for a linear's last name component kept in BF16.
     blocks:             qualified name of the block ModuleList; found automatically when None.
+
+    >>> blocks = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(4)])
+    >>> model = torch.nn.ModuleDict({"layers": blocks, "lm_head": torch.nn.Linear(64, 256)})
+    >>> model = bs.convert(model, bs.recipes.get("nvfp4"), bs.nn.layer_policy(model))
+    >>> [isinstance(m, bs.nn.Linear) for m in (*blocks, model["lm_head"])]
+    [True, True, True, False, False]
     """
     if not 0.0 <= bf16_tail_fraction <= 1.0:
         raise ValueError(f"bf16_tail_fraction={bf16_tail_fraction} is not in [0, 1]")
@@ -309,7 +327,12 @@ def _lm_head_finder(model: nn.Module) -> LayerPolicy:
 def set_precision(model: nn.Module, enabled: bool) -> int:
     """Turn quantization of every converted layer on (True) or off (False: plain high-precision
     F.linear, or torch._grouped_mm for experts). Returns how many modules were switched (one
-    per converted linear and one per converted expert weight)."""
+    per converted linear and one per converted expert weight).
+
+    >>> model = bs.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), bs.recipes.get("nvfp4"))
+    >>> bs.nn.set_precision(model, False)  # one converted linear switched to plain F.linear
+    1
+    """
     switched = 0
     for module in model.modules():
         if hasattr(module, "quantize_enabled"):
@@ -324,6 +347,10 @@ class PrecisionSchedule:
 
     The paper switches for the last ~18% of tokens. Call `apply(model, step)` every step
     (resumed runs included: it sets the precision from the step alone, holding no state).
+
+    >>> schedule = bs.nn.PrecisionSchedule(total_steps=100, bf16_final_fraction=0.2)
+    >>> schedule.switch_step, schedule.quantized(79), schedule.quantized(80)
+    (80, True, False)
     """
 
     total_steps: int

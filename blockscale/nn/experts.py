@@ -93,6 +93,11 @@ class GroupedMM(nn.Module):
 
     forward(input [M, K], weight_t [E, K, N], offs int32 [E]) -> [M, N]. With
     `quantize_enabled` False it is exactly `torch._grouped_mm(input, weight_t, offs=offs)`.
+
+    >>> gmm = bs.nn.GroupedMM(bs.recipes.get("mxfp8"))
+    >>> x, w_t = torch.randn(64, 32), torch.randn(2, 32, 64)
+    >>> gmm(x, w_t, torch.tensor([32, 64], dtype=torch.int32)).shape
+    torch.Size([64, 64])
     """
 
     def __init__(self, recipe: Recipe) -> None:

@@ -27,7 +27,12 @@ from blockscale.recipes import Recipe, require_recipe
 
 
 class Linear(nn.Linear):
-    """nn.Linear with its three GEMMs quantized as `recipe` says."""
+    """nn.Linear with its three GEMMs quantized as `recipe` says.
+
+    >>> layer = bs.nn.Linear(64, 32, recipe=bs.recipes.get("nvfp4"))
+    >>> layer(torch.randn(4, 64)).shape
+    torch.Size([4, 32])
+    """
 
     def __init__(
         self,

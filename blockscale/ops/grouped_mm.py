@@ -229,7 +229,13 @@ def grouped_mm(
     """out[rows of expert e] = input[rows of e] @ weight_t[e], the three GEMMs quantized as
     `recipe` says (module docstring). input [M, K], weight_t [E, K, N], offs int32 [E]
     cumulative end rows (offs[-1] <= M; rows past it give zeros). Raises ValueError when the
-    shapes, dtypes or devices do not fit, or K or N does not fit the recipe's blocks."""
+    shapes, dtypes or devices do not fit, or K or N does not fit the recipe's blocks.
+
+    >>> x, w_t = torch.randn(64, 32), torch.randn(2, 32, 16)  # experts 0 and 1: 32 rows each
+    >>> offs = torch.tensor([32, 64], dtype=torch.int32)
+    >>> bs.grouped_mm(x, w_t, offs, bs.recipes.get("nvfp4")).shape
+    torch.Size([64, 16])
+    """
     require_recipe(recipe)
     check_grouped_inputs(input, weight_t, offs)
     if not recipe.quantized:

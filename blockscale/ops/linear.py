@@ -107,7 +107,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch._dynamo import nonstrict_trace
 
-from blockscale._library import tracing
+from blockscale._registry import tracing
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.gemm.dispatch import Backend, Transposed, resolve_backend, scaled_mm
 from blockscale.ops.quantize import (
@@ -135,7 +135,13 @@ EXACT_INDUCTOR_OPTIONS = {
 
 
 def unsupported_reason(in_features: int, out_features: int, recipe: Recipe) -> str | None:
-    """Why a [out_features, in_features] weight cannot run `recipe`, or None if it can."""
+    """Why a [out_features, in_features] weight cannot run `recipe`, or None if it can.
+
+    >>> bs.ops.unsupported_reason(64, 32, bs.recipes.get("nvfp4")) is None
+    True
+    >>> bs.ops.unsupported_reason(60, 32, bs.recipes.get("nvfp4"))
+    'in_features=60 is not a multiple of 16 (output.input is nvfp4 1x16, nearest)'
+    """
     checks = (
         ("in_features", in_features, "output.input", recipe.output.input),
         ("in_features", in_features, "output.weight", recipe.output.weight),
@@ -248,6 +254,11 @@ class AmaxReduction:
     scales with the amax of the whole tensor. With shards that hold whole blocks, the codes
     and block scales are then exactly the whole tensor's. A Hadamard token copy's amax is the
     max over per-column transforms (tokens are not sharded), so it reduces the same way.
+
+    >>> x, w, r = torch.randn(4, 64), torch.randn(32, 64), bs.recipes.get("nvfp4")
+    >>> alone = bs.ops.AmaxReduction(lambda t: t, input=True)  # one rank: the max is its own
+    >>> torch.equal(bs.linear(x, w, None, r, amax_reduction=alone), bs.linear(x, w, None, r))
+    True
     """
 
     reduce: Callable[[torch.Tensor], torch.Tensor]
@@ -483,6 +494,12 @@ def linear(
     exactly `F.linear`. Raises ValueError when K or N does not fit the recipe's blocks.
     `amax_reduction`: input, weight or grad_output are shards of whole tensors (tensor
     parallel; see `AmaxReduction`); None: every operand is whole.
+
+    >>> x, w = torch.randn(4, 64), torch.randn(32, 64)
+    >>> bs.linear(x, w, None, bs.recipes.get("nvfp4")).shape
+    torch.Size([4, 32])
+    >>> torch.equal(bs.linear(x, w, None, bs.recipes.get("bf16")), torch.nn.functional.linear(x, w))
+    True
     """
     require_recipe(recipe)
     if not recipe.quantized:

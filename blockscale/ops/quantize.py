@@ -55,7 +55,13 @@ from blockscale.recipes import Format, OperandConfig
 
 @dataclass
 class HighPrecisionTensor:
-    """An operand a recipe leaves unquantized. `data` is the tensor (or its [K, M] view)."""
+    """An operand a recipe leaves unquantized. `data` is the tensor (or its [K, M] view).
+
+    >>> x = torch.randn(4, 32)
+    >>> q = bs.ops.quantize_operand(x, bs.recipes.OperandConfig())  # BF16: not quantized
+    >>> type(q).__name__, q.data is x
+    ('HighPrecisionTensor', True)
+    """
 
     data: torch.Tensor
 
@@ -156,6 +162,11 @@ def quantize_operand(
     `amax` (NVFP4 only): the tensor amax to scale with instead of the copy's own, e.g. the
     whole tensor's when x is a shard of it (`operand_amax` gives a copy's own, so a shard's
     can be reduced over ranks first); an FP32 tensor of one value. None: the copy's own.
+
+    >>> x = torch.randn(4, 32)
+    >>> q = bs.ops.quantize_operand(x, bs.recipes.OperandConfig("nvfp4"))
+    >>> torch.equal(q.data, bs.nvfp4.quantize(x).data)
+    True
     """
     if not isinstance(config, OperandConfig):
         raise TypeError(f"config must be an OperandConfig, got {type(config).__name__}")
@@ -230,7 +241,13 @@ def quantize_rows_and_tokens(
 
     `row_amax` / `tokens_amax` (NVFP4 copies only; None: the copy's own): the tensor amaxes to
     scale with, as `quantize_operand`'s `amax`. They are two different amaxes when the token
-    copy is Hadamard-transformed; `rows_and_tokens_amax` computes a shard's own pair."""
+    copy is Hadamard-transformed; `rows_and_tokens_amax` computes a shard's own pair.
+
+    >>> nvfp4 = bs.recipes.OperandConfig("nvfp4")
+    >>> row, tokens = bs.ops.quantize_rows_and_tokens(torch.randn(20, 32), nvfp4, nvfp4)
+    >>> row.shape, tokens.shape  # 20 tokens zero-padded to 32 in the token copy
+    (torch.Size([20, 32]), torch.Size([32, 32]))
+    """
     if row is not None and tokens is not None:
         both = _both_from_one_read(x, row, tokens, generator, tokens_dq, row_amax, tokens_amax)
         if both is not None:
@@ -256,7 +273,12 @@ def operand_amax(
 ) -> torch.Tensor | None:
     """The tensor amax `quantize_operand(x, config, transpose)` would compute itself (max |x|,
     or max |y| of the Hadamard-transformed copy y), FP32 scalar; None where the format has no
-    tensor amax (MXFP8, BF16). Same reads and same value as the quantizer's own."""
+    tensor amax (MXFP8, BF16). Same reads and same value as the quantizer's own.
+
+    >>> x = torch.randn(4, 32)
+    >>> torch.equal(bs.ops.operand_amax(x, bs.recipes.OperandConfig("nvfp4")), x.abs().max())
+    True
+    """
     if config.format is not Format.NVFP4:
         return None
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
@@ -276,7 +298,13 @@ def rows_and_tokens_amax(
     """The (row, tokens) amaxes `quantize_rows_and_tokens(x, row, tokens)` would compute
     itself: the token copy's is that of the zero-padded, possibly Hadamard-transformed
     transpose. None for a copy that is skipped or has no tensor amax. With the kernels and two
-    NVFP4 copies both come from one read of x."""
+    NVFP4 copies both come from one read of x.
+
+    >>> x = torch.randn(20, 32)
+    >>> row, tokens = bs.ops.rows_and_tokens_amax(x, bs.recipes.OperandConfig("nvfp4"), None)
+    >>> torch.equal(row, x.abs().max()), tokens
+    (True, None)
+    """
     row_nv = row if row is not None and row.format is Format.NVFP4 else None
     tokens_nv = tokens if tokens is not None and tokens.format is Format.NVFP4 else None
     if row_nv is None and tokens_nv is None:

@@ -1,4 +1,9 @@
-"""The training loop: one function, `train(cfg, run_dir)`, that a resumed run re-enters.
+"""The training loop: `train(cfg, run_dir)`, which a resumed run re-enters, and the `Trainer`
+it drives through named phases: build (model, data, optimizer; the mode splits the model over
+the ranks), resume, prepare the run directory, then `run`: each step (`train_step`) followed by
+what is due after it (`log_train`, `evaluate_held_out`, `probe_numerics`, `save_checkpoint`),
+and `finish`. One process or several ranks (--fsdp, --tp, --ep) differ only in the mode object
+(train/parallel.py), never by a branch in the loop.
 
 A run directory holds `config.json`, `metrics.jsonl` (one JSON object a line), `checkpoints/`
 and, once the loop stops, `summary.json`. Metric rows carry a `kind`:
@@ -51,24 +56,12 @@ import blockscale.nn as bsnn
 from blockscale.models import moe_layers
 from blockscale.ops import EXACT_INDUCTOR_OPTIONS
 from blockscale.train import build, checkpoint, files, telemetry
-from blockscale.train.config import RESUMABLE, TrainConfig, differences, identity
+from blockscale.train.config import RESUMABLE, TrainConfig, differences
 from blockscale.train.data import Batches, load_corpus
 from blockscale.train.errors import UsageError
 from blockscale.train.evaluate import evaluate
-from blockscale.train.ranks import (
-    Ranks,
-    average_replicated_grads,
-    check_batch,
-    clip_expert_parallel,
-    clip_tensor_parallel,
-    expert_parallel,
-    full,
-    join,
-    local_experts,
-    seed_stream,
-    shard,
-    tensor_parallel,
-)
+from blockscale.train.parallel import OneProcess, parallelism
+from blockscale.train.ranks import full
 
 try:
     from tqdm.auto import tqdm
@@ -181,25 +174,17 @@ def check_resumable(cfg: TrainConfig, run_dir: Path) -> None:
         )
 
 
-def _carried_over(written: list[dict], ranks: Ranks) -> dict:
-    """This rank's part of the loop state (sums since the last metrics row) of a sharded
-    checkpoint written by `len(written)` ranks: its own on as many ranks; on another number,
-    rank 0 takes the sums of all and the others start from zero (the row's mean is the same
-    up to the order of additions). Under --tp every rank's sums are the same: rank 0's."""
-    if ranks.tensor_parallel:
-        return written[0]
-    if len(written) == ranks.world_size:
-        return written[ranks.rank]
-    mine = written if ranks.main else []
-    out = {"loss_sum": sum((m["loss_sum"] for m in mine), 0.0)}  # 0.0: a float tensor
-    out["loss_steps"] = written[0]["loss_steps"]
-    if "aux_sum" in written[0]:
-        out["aux_sum"] = sum((m["aux_sum"] for m in mine), 0.0)
-        tokens = torch.tensor([m["expert_tokens"] for m in written], dtype=torch.int64)
-        # Under --ep every rank's counts are already the group's: rank 0 takes one rank's.
-        total = tokens[0] if ranks.expert_parallel else tokens.sum(0)
-        out["expert_tokens"] = (total if mine else tokens[0] * 0).tolist()
-    return out
+def check_run_dir(cfg: TrainConfig, run_dir: Path, resume: bool) -> None:
+    """Refuse a run directory that does not fit: on `resume`, one that is not the run `cfg`
+    describes (check_resumable); otherwise a file, or a folder that already holds a run."""
+    if resume:
+        check_resumable(cfg, run_dir)
+    elif run_dir.exists() and not run_dir.is_dir():
+        raise UsageError(f"{run_dir} is a file, not a run directory; choose another --out")
+    elif (run_dir / "metrics.jsonl").exists() or checkpoint.checkpoint_dirs(run_dir):
+        raise UsageError(
+            f"{run_dir} already holds a run; pass --resume to continue it, or choose another --out"
+        )
 
 
 def train(
@@ -228,306 +213,363 @@ def train(
     tp: the same, with the model's blocks split over the ranks (tensor parallel, train/ranks.py)
     and every rank running all of each step's micro-batches (the ranks share the batch)."""
     run_dir = Path(run_dir)
-    metrics = Metrics(run_dir / "metrics.jsonl")
+    check_run_dir(cfg, run_dir, resume)
+    if fsdp + ep + tp > 1:
+        raise UsageError(exclusive_modes(fsdp, ep, tp))
+    mode = parallelism(fsdp=fsdp, ep=ep, tp=tp)
+    mode.check(cfg)
+    device = mode.join(cfg)
+    trainer = Trainer(cfg, run_dir, mode, device)
     if resume:
-        check_resumable(cfg, run_dir)
-    elif run_dir.exists() and not run_dir.is_dir():
-        raise UsageError(f"{run_dir} is a file, not a run directory; choose another --out")
-    elif metrics.path.exists() or checkpoint.checkpoint_dirs(run_dir):
-        raise UsageError(
-            f"{run_dir} already holds a run; pass --resume to continue it, or choose another --out"
+        trainer.resume()
+    trainer.prepare_run_dir()
+    return trainer.run(progress)
+
+
+class Trainer:
+    """One run on this process. `__init__` builds it (data, the model converted to its recipe
+    and split over the ranks by the mode, the optimizer); `resume` continues it from its newest
+    checkpoint; `prepare_run_dir` writes its config; `run` is the loop over the steps, each
+    (`train_step`) followed by what is due after it: a metrics row (`log_train`), evaluation,
+    telemetry, a checkpoint. The distributed modes act only through `self.mode`'s hooks
+    (train/parallel.py)."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path, mode: OneProcess, device: torch.device):
+        self.cfg, self.run_dir, self.mode, self.device = cfg, run_dir, mode, device
+        self.ranks = mode.ranks
+        self.metrics = Metrics(run_dir / "metrics.jsonl", enabled=self.ranks.main)
+        corpus = load_corpus(cfg.data, cfg.max_data_bytes)
+        self.model, self.recipe = build.build_model(cfg, device)
+        mode.parallelize(self.model, self.recipe, cfg, device)
+        self.val_data, self.seq_len = corpus.val, self.model.config.seq_len
+        self.batches = Batches(corpus.train, self.seq_len, cfg.batch_size, cfg.seed)
+        self.optimizer = build.build_optimizer(self.model, cfg, device)
+        self.tokens_per_step = cfg.batch_size * cfg.grad_accum * self.seq_len
+        self.start = self.reached = 0  # reached: optimizer steps completed (the summary's step)
+        self.sums = _Sums(self.model, {"loss_sum": 0.0, "loss_steps": 0}, device)
+        # Inductor's default fast math (approximate division, dropped BF16 round trips, FMA)
+        # would move quantization codes; these options keep eager's numerics, for every recipe.
+        self.step_model = (
+            torch.compile(self.model, options=EXACT_INDUCTOR_OPTIONS) if cfg.compile else self.model
         )
-    if fsdp or ep or tp:
-        flag = "--ep" if ep else "--tp" if tp else "--fsdp"
-        if fsdp + ep + tp > 1:
-            raise UsageError(exclusive_modes(fsdp, ep, tp))
-        if tp and cfg.compile:
-            raise UsageError(
-                "--compile with --tp: a compiled tensor-parallel run is not tried yet "
-                "(docs/DISTRIBUTED.md); leave out --compile"
+        self.autocast = build.autocast_for(device)
+        self.schedule = bsnn.PrecisionSchedule(cfg.steps, cfg.bf16_final_fraction)
+        self.quantized_now: bool | None = None
+        self.memory = _PeakMemory(device)
+        self.bar = None
+        self.n_params = 0  # the whole model's, counted when the run begins
+        self.time = _TrainingTime()
+
+    def resume(self) -> None:
+        """Load the newest checkpoint, if the run has one: model, optimizer, random stream and
+        the sums since the last metrics row."""
+        ckpts = checkpoint.checkpoint_dirs(self.run_dir)
+        if ckpts:
+            self.start, carried = self.mode.load_checkpoint(
+                ckpts[-1], self.model, self.optimizer, self.cfg, self.device
             )
-        if ep and not isinstance(build.build_model_config(cfg), build.MoEConfig):
-            raise UsageError(
-                f"--ep splits an MoE model's experts over the ranks; model {cfg.model!r} has "
-                "none (use --model moe-tiny or moe-small, or --fsdp for a dense model)"
+            self.sums = _Sums(self.model, carried, self.device)
+
+    def prepare_run_dir(self) -> None:
+        """Rank 0 makes the folder, keeps the rows up to the resumed step and writes the config."""
+
+        def prepare() -> None:
+            with files.reported(self.run_dir):
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                # First, since it can still refuse (a damaged row before the last): a fresh start
+                # keeps no rows, a resumed run those up to its checkpoint.
+                self.metrics.truncate_after(self.start if self.start else -1)
+                self.cfg.save(self.run_dir / "config.json")
+                (self.run_dir / "summary.json").unlink(missing_ok=True)
+
+        self.ranks.barrier()  # every rank has checked the run directory before rank 0 writes
+        self.ranks.on_main(prepare, self.device)
+
+    def run(self, progress: bool) -> dict:
+        """Train from the resumed step to cfg.steps, or until the loss diverges, a signal or
+        max_minutes stops it; returns the summary (other ranks than 0: {"status": ...})."""
+        cfg = self.cfg
+        self.begin(progress)
+        status, step, started = "done", self.start, time.perf_counter()
+        try:
+            with _StopRequest() as stop:
+                for step in range(self.start, cfg.steps):
+                    lr, grad_norm = self.train_step(step)
+                    done = self.reached = step + 1
+                    last = done == cfg.steps
+                    if self.bar is not None:
+                        self.bar.update(1)
+                    if _due(cfg.log_every, done, last):
+                        mean_loss = self.log_train(done, lr, grad_norm)
+                        if not math.isfinite(mean_loss):
+                            status = "diverged"
+                            self.say(
+                                f"step {done}: loss is {mean_loss}; stopping (the run diverged)"
+                            )
+                            break
+                    self.time.pause()  # evaluation, telemetry and checkpoints are not training
+                    self.memory.training()  # the steps' peak so far, before evaluation and probes
+                    if _due(cfg.eval_every, done, last):
+                        self.evaluate_held_out(done)
+                    if _due(cfg.telemetry_every, done, last):
+                        self.probe_numerics(done)
+                    # Every rank stops at the same step (each checkpoints with the others).
+                    stopping, out_of_time = self.ranks.any(
+                        stop.requested, self.out_of_time(started), device=self.device
+                    )
+                    if last or stopping or out_of_time or _due(cfg.ckpt_every, done, last):
+                        self.save_checkpoint(done)
+                    self.memory.restart()  # the next steps' peak starts here
+                    self.time.resume()
+                    if (stopping or out_of_time) and not last:
+                        status = "interrupted" if stopping else "paused"
+                        self.say(
+                            f"stopped at step {done} ({status}); rerun to continue (train: --resume)"
+                        )
+                        break
+        except OSError as e:  # a metrics row or a checkpoint could not be written
+            raise files.write_failure(self.run_dir, e) from None
+        except torch.OutOfMemoryError:
+            raise self.out_of_memory(step) from None
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+        return self.finish(status)
+
+    def begin(self, progress: bool) -> None:
+        """Open the progress bar, say what the run is, and probe a fresh run's initial weights."""
+        cfg = self.cfg
+        if progress and self.ranks.main and tqdm is not None:
+            self.bar = tqdm(
+                total=cfg.steps,
+                initial=self.start,
+                unit="step",
+                dynamic_ncols=True,
+                desc=self.recipe.name,
             )
-        if cfg.telemetry_every:
-            raise UsageError(
-                f"telemetry_every={cfg.telemetry_every}: the numerics probe does not run under "
-                f"{flag} yet (docs/DISTRIBUTED.md); pass --telemetry-every 0"
-            )
-        ranks, device = join(cfg.device, flag)
-        ranks = Ranks(
-            ranks.rank, ranks.world_size, sharded=True, expert_parallel=ep, tensor_parallel=tp
+        self.n_params = self.mode.count_params(self.model)
+        self.say(
+            f"{self.run_dir}: model {cfg.model} ({self.n_params / 1e6:.2f}M params), recipe "
+            f"{self.recipe.name}, {self.mode.where(self.device)}, {cfg.steps} steps of "
+            f"{self.tokens_per_step} tokens"
+            + (f", resuming at step {self.start}" if self.start else "")
         )
-        if not tp:  # under --tp every rank runs every micro-batch
-            check_batch(cfg.grad_accum, ranks)
-    else:
-        ranks, device = Ranks(), build.resolve_device(cfg.device)
-    metrics.enabled = ranks.main
-    corpus = load_corpus(cfg.data, cfg.max_data_bytes)
-    model, recipe = build.build_model(cfg, device)
-    if ranks.tensor_parallel:
-        # After convert, before the optimizer. Every rank continues the stream of
-        # initialization: replicated tensors (a row-wise layer's grad_output) then draw the
-        # same stochastic rounding on every rank, and the split ones as many values each.
-        tensor_parallel(model, ranks, device)
-    elif ranks.expert_parallel:
-        expert_parallel(model, ranks)  # after convert (in build_model), before the optimizer
-        if not ranks.main:  # rank 0 continues the stream of initialization, as one process
-            seed_stream(cfg.seed, ranks.rank, 0)
-    elif ranks.sharded:
-        # The precision schedule switches layers to BF16, which a quantized all-gather cannot
-        # follow (its layout is fixed at the first gather): such runs gather FP32 weights. One
-        # rank gathers nothing, so it keeps plain weights too (the same numbers: each layer
-        # quantizes its whole FP32 weight itself, which is what a one-rank gather would hand it).
-        quantized_gather = recipe.quantized and cfg.bf16_final_fraction == 0
-        shard(model, quantized_gather and ranks.world_size > 1, device)
-        if not ranks.main:  # rank 0 continues the stream of initialization, as one process
-            seed_stream(cfg.seed, ranks.rank, 0)
-    seq_len = model.config.seq_len
-    batches = Batches(corpus.train, seq_len, cfg.batch_size, cfg.seed)
-    optimizer = build.build_optimizer(model, cfg, device)
+        if self.start == 0:
+            self.probe_numerics(0)
+        self.memory.restart()
+        self.reached = self.start
+        self.time = _TrainingTime()
 
-    start, partial = 0, {"loss_sum": 0.0, "loss_steps": 0}
-    ckpts = checkpoint.checkpoint_dirs(run_dir)
-    if resume and ckpts:
-        latest = ckpts[-1]
-        if checkpoint.is_sharded(latest) != ranks.sharded:
-            raise UsageError(
-                f"checkpoint {latest} was written by a --fsdp run; resume it with torchrun "
-                "--nproc-per-node N -m blockscale train --fsdp --resume"
-                if not ranks.sharded
-                else f"checkpoint {latest} was written by one process, and a one-process "
-                "checkpoint does not load into a sharded model yet; resume it without --fsdp"
-            )
-        if ranks.sharded:
-            start, written = checkpoint.load_sharded(
-                latest, model, optimizer, identity(cfg), ranks, device, cfg.seed
-            )
-            partial = _carried_over(written, ranks)
-        else:
-            start, partial = checkpoint.load(latest, model, optimizer, run=identity(cfg))
+    def train_step(self, step: int) -> tuple[float, torch.Tensor]:
+        """One optimizer step (0-based `step`): the precision schedule, the learning rate, this
+        rank's micro-batches forward and backward, the gradients made whole and clipped (the
+        mode's hook), AdamW. Returns (the learning rate, the gradient norm before clipping)."""
+        cfg = self.cfg
+        if self.recipe.quantized and self.quantized_now != self.schedule.quantized(step):
+            self.quantized_now = self.schedule.apply(self.model, step)
+        lr = build.lr_at(cfg, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        for micro in self.ranks.micro_batches(cfg.grad_accum):
+            self.forward_backward(*self.batches.get(step, micro))
+        clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        grad_norm = self.mode.sync_and_clip_grads(self.model, clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.sums.steps += 1
+        self.time.steps += 1
+        return lr, grad_norm
 
-    def prepare() -> None:
-        with files.reported(run_dir):
-            run_dir.mkdir(parents=True, exist_ok=True)
-            # First, since it can still refuse (a damaged row before the last): a fresh start
-            # keeps no rows, a resumed run those up to its checkpoint.
-            metrics.truncate_after(start if start else -1)
-            cfg.save(run_dir / "config.json")
-            (run_dir / "summary.json").unlink(missing_ok=True)
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One micro-batch: the loss (cross entropy, plus an MoE model's load-balancing loss)
+        scaled to its share of the step, its backward, and the sums the next row reports."""
+        cfg, sums = self.cfg, self.sums
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        with self.autocast():
+            logits = self.step_model(x)
+        ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / cfg.grad_accum
+        loss = ce
+        if sums.routed:
+            aux = self.model.aux_loss / cfg.grad_accum
+            loss = ce + cfg.aux_loss_coef * aux
+            sums.add_routing(aux)
+        # FSDP averages the ranks' gradients: a rank's loss counts world_size times, so the
+        # step's gradient is the mean over all the micro-batches (not under --tp, where every
+        # rank runs them all).
+        share = self.ranks.data_ranks
+        (loss * share if share > 1 else loss).backward()
+        sums.loss += ce.detach()
 
-    ranks.barrier()  # every rank has checked the run directory before rank 0 writes into it
-    ranks.on_main(prepare, device)
+    def log_train(self, step: int, lr: float, grad_norm: torch.Tensor) -> float:
+        """Write the training row of `step` (means over all ranks' micro-batches since the last
+        row; synchronizes the device) and start the next row's sums; returns its loss."""
+        sums = self.sums
+        mean_loss = (self.ranks.sum(sums.loss) / sums.steps).item()
+        tokens_per_s = self.time.tokens_per_s(self.tokens_per_step)
+        row = {
+            "kind": "train",
+            "step": step,
+            "loss": mean_loss,
+            "lr": lr,
+            "grad_norm": full(grad_norm).item(),
+            "tokens": step * self.tokens_per_step,
+            "tokens_per_s": tokens_per_s,
+            "time": round(time.time(), 3),
+        }
+        if self.memory.enabled:
+            row["peak_gib"] = self.memory.training()
+        if sums.routed:
+            row["aux_loss"] = (self.ranks.sum(sums.aux) / sums.steps).item()
+            counted = self.mode.expert_tokens_total(sums.expert_tokens)
+            row["expert_tokens"] = dict(zip(sums.routed, counted.tolist()))
+        self.metrics.write(row)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+        sums.reset()
+        return mean_loss
 
-    # Inductor's default fast math (approximate division, dropped BF16 round trips, FMA) would
-    # move quantization codes; these options keep eager's numerics, for every recipe alike.
-    step_model = torch.compile(model, options=EXACT_INDUCTOR_OPTIONS) if cfg.compile else model
-    autocast = build.autocast_for(device)
-    schedule = bsnn.PrecisionSchedule(cfg.steps, cfg.bf16_final_fraction)
-    quantized_now = None
-    tokens_per_step = cfg.batch_size * cfg.grad_accum * seq_len
-    memory = _PeakMemory(device)
-
-    def run_telemetry(step: int) -> None:
-        if cfg.telemetry_every and recipe.quantized:
-            x, y = batches.get(step, 0)
-            memory.restart()
-            found = telemetry.probe(model, x.to(device), y.to(device), autocast, cfg.aux_loss_coef)
-            row = {"kind": "telemetry", "step": step, **found}
-            if memory.enabled:  # the probe runs eagerly, off the training path
-                row["peak_gib"] = memory.since_restart()
-            metrics.write(row)
-
-    n_params = sum(p.numel() for p in model.parameters())
-    if ranks.expert_parallel:  # the whole model's: the other ranks' experts counted too
-        n_params += (ranks.world_size - 1) * sum(p.numel() for p in local_experts(model).values())
-    bar = None
-    if progress and ranks.main and tqdm is not None:
-        bar = tqdm(
-            total=cfg.steps, initial=start, unit="step", dynamic_ncols=True, desc=recipe.name
+    def evaluate_held_out(self, step: int) -> None:
+        """The eval row of `step`: loss and bits per byte on the held-out split."""
+        self.memory.restart()
+        result = evaluate(
+            self.model,
+            self.val_data,
+            self.seq_len,
+            self.cfg.batch_size,
+            self.device,
+            self.cfg.eval_tokens,
+        )
+        if self.memory.enabled:
+            result["peak_gib"] = self.memory.since_restart()
+        self.metrics.write({"kind": "eval", "step": step, **result})
+        self.say(
+            f"step {step}: val loss {result['val_loss']:.4f}, {result['val_bpb']:.3f} bits/byte"
         )
 
-    def say(message: str) -> None:
-        if ranks.main:
-            _say(message, bar)
+    def probe_numerics(self, step: int) -> None:
+        """The telemetry row of `step` (quantized recipes; telemetry.py): an eager probe off the
+        training path, on the step's first micro-batch."""
+        if not (self.cfg.telemetry_every and self.recipe.quantized):
+            return
+        x, y = self.batches.get(step, 0)
+        self.memory.restart()
+        found = telemetry.probe(
+            self.model, x.to(self.device), y.to(self.device), self.autocast, self.cfg.aux_loss_coef
+        )
+        row = {"kind": "telemetry", "step": step, **found}
+        if self.memory.enabled:  # the probe runs eagerly, off the training path
+            row["peak_gib"] = self.memory.since_restart()
+        self.metrics.write(row)
 
-    where = (
-        f"{ranks.world_size} rank(s) ({device.type}, {_mode(ranks)})"
-        if ranks.sharded
-        else str(device)
-    )
-    say(
-        f"{run_dir}: model {cfg.model} ({n_params / 1e6:.2f}M params), recipe {recipe.name}, "
-        f"{where}, {cfg.steps} steps of {tokens_per_step} tokens"
-        + (f", resuming at step {start}" if start else "")
-    )
-    if start == 0:
-        run_telemetry(0)
-    memory.restart()
+    def out_of_time(self, started: float) -> bool:
+        minutes = (time.perf_counter() - started) / 60
+        return self.cfg.max_minutes > 0 and minutes > self.cfg.max_minutes
 
-    status, step, started = "done", start, time.perf_counter()
-    reached = start  # optimizer steps completed: the summary's step, whatever the row cadence
-    # The loss of the steps since the last row; a checkpoint carries it over, so a resumed run
-    # writes the same mean loss in its next row as an uninterrupted one.
-    loss_sum = torch.tensor(partial["loss_sum"], device=device)
-    loss_steps, timed_steps = partial["loss_steps"], 0
-    # An MoE model's load-balancing loss and tokens per expert, summed like the loss.
-    routed = moe_layers(model)
-    aux_sum = torch.tensor(partial.get("aux_sum", 0.0), device=device)
-    n_experts = getattr(model.config, "n_experts", 0)
-    expert_tokens = torch.tensor(
-        partial.get("expert_tokens", [[0] * n_experts] * len(routed)),
-        dtype=torch.int64,
-        device=device,
-    )
+    def save_checkpoint(self, step: int) -> None:
+        self.metrics.sync()  # the rows up to `step` are on disk before its checkpoint
+        carried = self.sums.carried()
+        self.mode.save_checkpoint(
+            self.run_dir, step, self.model, self.optimizer, carried, self.cfg, self.device
+        )
 
-    def carried() -> dict:
+    def out_of_memory(self, step: int) -> UsageError:
+        cfg = self.cfg
+        return UsageError(
+            f"out of memory on {self.device} at step {step}: batch_size={cfg.batch_size} x "
+            f"seq_len={self.seq_len} of model {cfg.model!r} does not fit; lower --batch-size "
+            "(raise --grad-accum to keep the batch)"
+        )
+
+    def say(self, message: str) -> None:
+        if self.ranks.main:
+            _say(message, self.bar)
+
+    def finish(self, status: str) -> dict:
+        """Rank 0 writes summary.json and returns the summary; other ranks {"status": ...}."""
+        if not self.ranks.main:
+            return {"status": status}
+        summary = summarize(
+            self.run_dir,
+            self.cfg,
+            self.recipe,
+            status,
+            self.n_params,
+            self.device,
+            self.reached,
+            self.tokens_per_step,
+        )
+        if self.ranks.sharded:
+            summary["ranks"] = self.ranks.world_size
+        with files.reported(self.run_dir):
+            files.write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        return summary
+
+
+def _due(every: int, step: int, last: bool) -> bool:
+    """Whether what runs every `every` steps (0: off) runs after `step` (and after the last)."""
+    return bool(every) and (step % every == 0 or last)
+
+
+class _Sums:
+    """What the next metrics row reports, summed on the device over the steps since the last
+    row: the cross entropy and, for an MoE model, the load-balancing loss and each routed
+    layer's token-expert assignments per expert (reading the router's counts costs no
+    synchronization until a row is written). A checkpoint carries them over (`carried`), so a
+    resumed run writes the same mean in its next row as an uninterrupted one."""
+
+    def __init__(self, model: torch.nn.Module, carried: dict, device: torch.device):
+        self.routed = moe_layers(model)
+        self.loss = torch.tensor(carried["loss_sum"], device=device)
+        self.steps = carried["loss_steps"]
+        self.aux = torch.tensor(carried.get("aux_sum", 0.0), device=device)
+        n_experts = getattr(model.config, "n_experts", 0)
+        self.expert_tokens = torch.tensor(
+            carried.get("expert_tokens", [[0] * n_experts] * len(self.routed)),
+            dtype=torch.int64,
+            device=device,
+        )
+
+    def add_routing(self, aux: torch.Tensor) -> None:
+        """Add a micro-batch's load-balancing loss and its routers' counts."""
+        self.aux += aux.detach()
+        self.expert_tokens += torch.stack([m.tokens_per_expert for m in self.routed.values()])
+
+    def carried(self) -> dict:
         """What a checkpoint carries over to the next metrics row."""
-        sums = {"loss_sum": loss_sum.item(), "loss_steps": loss_steps}
-        if routed:
-            sums.update(aux_sum=aux_sum.item(), expert_tokens=expert_tokens.tolist())
+        sums = {"loss_sum": self.loss.item(), "loss_steps": self.steps}
+        if self.routed:
+            sums.update(aux_sum=self.aux.item(), expert_tokens=self.expert_tokens.tolist())
         return sums
 
-    clock, excluded = time.perf_counter(), 0.0
-    try:
-        with _StopRequest() as stop:
-            for step in range(start, cfg.steps):
-                if recipe.quantized and quantized_now != schedule.quantized(step):
-                    quantized_now = schedule.apply(model, step)
-                lr = build.lr_at(cfg, step)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                for micro in ranks.micro_batches(cfg.grad_accum):
-                    x, y = batches.get(step, micro)
-                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                    with autocast():
-                        logits = step_model(x)
-                    ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / cfg.grad_accum
-                    loss = ce
-                    if routed:
-                        aux = model.aux_loss / cfg.grad_accum
-                        loss = ce + cfg.aux_loss_coef * aux
-                        aux_sum += aux.detach()
-                        expert_tokens += torch.stack([m.tokens_per_expert for m in routed.values()])
-                    # FSDP averages the ranks' gradients: a rank's loss counts world_size
-                    # times, so the step's gradient is the mean over all the micro-batches
-                    # (not under --tp, where every rank runs them all).
-                    share = ranks.data_ranks
-                    (loss * share if share > 1 else loss).backward()
-                    loss_sum += ce.detach()
-                clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-                if ranks.expert_parallel:
-                    # The experts' owners hold their averaged gradients; the rest: averaged here.
-                    average_replicated_grads(model, ranks)
-                    grad_norm = clip_expert_parallel(model, clip, ranks)
-                elif ranks.tensor_parallel:
-                    grad_norm = clip_tensor_parallel(model, clip, ranks)
-                else:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                loss_steps += 1
-                timed_steps += 1
-                done = reached = step + 1
-                last = done == cfg.steps
-                if bar is not None:
-                    bar.update(1)
+    def reset(self) -> None:
+        self.loss.zero_()
+        self.aux.zero_()
+        self.expert_tokens.zero_()
+        self.steps = 0
 
-                if done % cfg.log_every == 0 or last:
-                    # The mean over all ranks' micro-batches; synchronizes the device.
-                    mean_loss = (ranks.sum(loss_sum) / loss_steps).item()
-                    now = time.perf_counter()
-                    seconds = max(now - clock - excluded, 1e-9)
-                    row = {
-                        "kind": "train",
-                        "step": done,
-                        "loss": mean_loss,
-                        "lr": lr,
-                        "grad_norm": full(grad_norm).item(),
-                        "tokens": done * tokens_per_step,
-                        "tokens_per_s": timed_steps * tokens_per_step / seconds,
-                        "time": round(time.time(), 3),
-                    }
-                    if memory.enabled:
-                        row["peak_gib"] = memory.training()
-                    if routed:
-                        row["aux_loss"] = (ranks.sum(aux_sum) / loss_steps).item()
-                        # Under --ep every rank counted the group's batch: not summed again.
-                        counted = (
-                            expert_tokens if ranks.expert_parallel else ranks.sum(expert_tokens)
-                        )
-                        row["expert_tokens"] = dict(zip(routed, counted.tolist()))
-                        aux_sum.zero_()
-                        expert_tokens.zero_()
-                    metrics.write(row)
-                    if bar is not None:
-                        bar.set_postfix(
-                            loss=f"{mean_loss:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}"
-                        )
-                    loss_sum.zero_()
-                    loss_steps, timed_steps, clock, excluded = 0, 0, now, 0.0
-                    if not math.isfinite(mean_loss):
-                        status = "diverged"
-                        say(f"step {done}: loss is {mean_loss}; stopping (the run diverged)")
-                        break
-                t0 = time.perf_counter()
-                memory.training()  # what the steps so far used, before evaluation and probes
-                if cfg.eval_every and (done % cfg.eval_every == 0 or last):
-                    memory.restart()
-                    result = evaluate(
-                        model, corpus.val, seq_len, cfg.batch_size, device, cfg.eval_tokens
-                    )
-                    if memory.enabled:
-                        result["peak_gib"] = memory.since_restart()
-                    metrics.write({"kind": "eval", "step": done, **result})
-                    say(
-                        f"step {done}: val loss {result['val_loss']:.4f}, {result['val_bpb']:.3f} bits/byte"
-                    )
-                if cfg.telemetry_every and (done % cfg.telemetry_every == 0 or last):
-                    run_telemetry(done)
-                out_of_time = (
-                    cfg.max_minutes > 0 and (time.perf_counter() - started) / 60 > cfg.max_minutes
-                )
-                # Every rank stops at the same step (each checkpoints with the others).
-                stopping, out_of_time = ranks.any(stop.requested, out_of_time, device=device)
-                if (
-                    last
-                    or stopping
-                    or out_of_time
-                    or (cfg.ckpt_every and done % cfg.ckpt_every == 0)
-                ):
-                    metrics.sync()  # the rows up to `done` are on disk before its checkpoint
-                    state = (run_dir, done, model, optimizer, carried(), cfg.keep_checkpoints)
-                    if ranks.sharded:
-                        checkpoint.save_sharded(*state, identity(cfg), ranks, device)
-                    else:
-                        checkpoint.save(*state, run=identity(cfg))
-                memory.restart()  # the next steps' peak starts here
-                excluded += time.perf_counter() - t0
-                if (stopping or out_of_time) and not last:
-                    status = "interrupted" if stopping else "paused"
-                    say(f"stopped at step {done} ({status}); rerun to continue (train: --resume)")
-                    break
-    except OSError as e:  # a metrics row or a checkpoint could not be written
-        raise files.write_failure(run_dir, e) from None
-    except torch.OutOfMemoryError:
-        raise UsageError(
-            f"out of memory on {device} at step {step}: batch_size={cfg.batch_size} x seq_len={seq_len} of model "
-            f"{cfg.model!r} does not fit; lower --batch-size (raise --grad-accum to keep the batch)"
-        ) from None
-    finally:
-        if bar is not None:
-            bar.close()
-    if not ranks.main:
-        return {"status": status}
-    summary = summarize(run_dir, cfg, recipe, status, n_params, device, reached, tokens_per_step)
-    if ranks.sharded:
-        summary["ranks"] = ranks.world_size
-    with files.reported(run_dir):
-        files.write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-    return summary
+
+class _TrainingTime:
+    """Training's own time since the last metrics row: the wall clock less what evaluation,
+    telemetry and checkpoints took (`pause` before them, `resume` after)."""
+
+    def __init__(self) -> None:
+        self._restart(time.perf_counter())
+
+    def _restart(self, now: float) -> None:
+        self.since, self.excluded, self.steps, self._paused_at = now, 0.0, 0, now
+
+    def pause(self) -> None:
+        self._paused_at = time.perf_counter()
+
+    def resume(self) -> None:
+        self.excluded += time.perf_counter() - self._paused_at
+
+    def tokens_per_s(self, tokens_per_step: int) -> float:
+        """The training speed since the last row; starts the next row's count."""
+        now = time.perf_counter()
+        rate = self.steps * tokens_per_step / max(now - self.since - self.excluded, 1e-9)
+        self._restart(now)
+        return rate
 
 
 def exclusive_modes(fsdp: bool, ep: bool, tp: bool) -> str:
@@ -537,10 +579,6 @@ def exclusive_modes(fsdp: bool, ep: bool, tp: bool) -> str:
         f"{' with '.join(given)}: one of --fsdp, --ep and --tp at a time (they do not run "
         "together yet); pass one"
     )
-
-
-def _mode(ranks: Ranks) -> str:
-    return "EP" if ranks.expert_parallel else "TP" if ranks.tensor_parallel else "FSDP2"
 
 
 class _PeakMemory:

@@ -20,7 +20,8 @@ all G micro-batches, as on one process. A run's config therefore says everything
 math, and the number of ranks may change when it is resumed (any W that divides G).
 
 `Ranks` is also the single-process case (world_size 1, no process group): its collectives are
-then no-ops, so the training loop reads the same either way.
+then no-ops, so the training loop reads the same either way. The loop reaches the functions
+below through one class per mode (train/parallel.py).
 """
 
 from __future__ import annotations
