@@ -101,6 +101,29 @@ _KEEP_SUBCLASS = {
 }
 
 
+def _mutated_result(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    """What a mutating op returns when its plain twin returned `out`: None for the ops whose
+    schema returns nothing (`_foreach_add_`, `_fused_adamw_`: their dispatch must return
+    None), and for each returned alias of a written argument (`add_`'s self, `add.out`'s out)
+    that argument as the caller passed it, a ShardedWeight stays one."""
+    schema = func._schema
+    if not schema.returns:
+        return None
+    written = {}
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is not None and info.is_write and info.before_set:
+            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+            written[frozenset(info.before_set)] = value
+    outs = out if isinstance(out, tuple) else (out,)
+    results = []
+    for ret, value in zip(schema.returns, outs, strict=True):
+        info = ret.alias_info
+        key = frozenset(info.before_set) if info is not None and info.is_write else None
+        results.append(written.get(key, value) if key is not None else value)
+    return tuple(results) if isinstance(out, tuple) else results[0]
+
+
 def _shard_amax(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """max |w| over the whole weight from its shards: one all-reduce of a scalar."""
     local = shard.abs().amax() if shard.numel() else shard.new_zeros(())
@@ -275,13 +298,10 @@ class ShardedWeight(torch.Tensor):
         kwargs = kwargs or {}
         plain_args, plain_kwargs = tree_map_only(ShardedWeight, lambda t: t._data, (args, kwargs))
         out = func(*plain_args, **plain_kwargs)
-        schema_args = func._schema.arguments
-        if (
-            schema_args
-            and schema_args[0].alias_info is not None
-            and schema_args[0].alias_info.is_write
-        ):
-            return args[0]  # in place (copy_, add_, the optimizer's updates): same wrapper
+        if func._schema.is_mutable:
+            # In place, out= and the optimizers' foreach / fused ops wrote the wrapped tensors;
+            # the caller gets what the op's schema returns, in terms of its own arguments.
+            return _mutated_result(func, args, kwargs, out)
         if func in _KEEP_SUBCLASS:
             return tree_map_only(torch.Tensor, ShardedWeight, out)
         return out
