@@ -58,10 +58,10 @@ def _optimizer(name: str, params) -> torch.optim.Optimizer:
     return cls(params, **kw)
 
 
-def _states(opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
-    return [
-        (k, v) for p in opt.param_groups[0]["params"] for k, v in sorted(opt.state[p].items())
-    ]
+def _states(opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, str, torch.Tensor]]:
+    """(parameter, key, state tensor) for every state tensor, in parameter order."""
+    params = opt.param_groups[0]["params"]
+    return [(p, k, v) for p in params for k, v in sorted(opt.state[p].items())]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -117,7 +117,7 @@ def test_optimizers_step_a_sharded_weight_as_a_plain_one(name, recipe):
     for (n, a), b in zip(wrapped.named_parameters(), plain.parameters(), strict=True):
         _assert_equal(a, b, n)
         assert a.grad is not None and not a.grad.any(), f"{n}: zero_grad(set_to_none=False)"
-    for (key, a), (_, b) in zip(_states(opt), _states(plain_opt), strict=True):
+    for (_, key, a), (_, _, b) in zip(_states(opt), _states(plain_opt), strict=True):
         assert type(a) is torch.Tensor, (key, type(a))  # plain state, not a ShardedWeight
         _assert_equal(a, b, key)
 
@@ -170,12 +170,9 @@ def _assert_same_training(a_model, a_opt, a_rows, b_model, b_opt, b_rows, what: 
     for (n, a), b in zip(a_model.named_parameters(), b_model.parameters(), strict=True):
         _assert_equal(a, b, f"{what} {n}")
         assert not a.grad.to_local().any(), f"{what} {n}: zero_grad(set_to_none=False)"
-    for (n, p), (key, a), (_, b) in zip(
-        ((n, p) for n, p in a_model.named_parameters() for _ in a_opt.state[p]),
-        _states(a_opt),
-        _states(b_opt),
-        strict=True,
-    ):
+    names = {id(p): n for n, p in a_model.named_parameters()}
+    for (p, key, a), (_, _, b) in zip(_states(a_opt), _states(b_opt), strict=True):
+        n = names[id(p)]
         local = a.to_local() if hasattr(a, "to_local") else a
         assert type(local) is torch.Tensor, (what, n, key, type(local))  # plain, FP32, sharded
         if local.dim():
@@ -203,7 +200,9 @@ def _optimizers_worker(rank: int, world_size: int, names: list[str], recipes: li
                 continue
             (model, opt, rows), (plain, plain_opt, plain_rows) = runs
             assert isinstance(model.fc1.weight.to_local(), ShardedWeight)
-            _assert_same_training(model, opt, rows, plain, plain_opt, plain_rows, f"{recipe} {name}")
+            _assert_same_training(
+                model, opt, rows, plain, plain_opt, plain_rows, f"{recipe} {name}"
+            )
 
 
 def test_every_optimizer_under_fsdp_equals_plain_fsdp():

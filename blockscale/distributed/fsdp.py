@@ -368,9 +368,22 @@ def enable_quantized_all_gather(model: nn.Module) -> int:
     """Make FSDP2 all-gather the weights of `model`'s quantized blockscale Linears as NVFP4 /
     MXFP8 (see this module's docstring). Call after `convert` and before `fully_shard`;
     returns the number of weights changed. A Parameter shared by several layers is wrapped
-    once."""
+    once. A model with no quantized blockscale Linear raises a ValueError (called before
+    `convert`, or with a bf16 recipe, it would otherwise gather every weight unquantized)."""
     from torch.distributed.tensor import DTensor  # noqa: PLC0415 (not needed before)
 
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if not any(m.recipe.quantized for m in linears):
+        found = (
+            f"{len(linears)} blockscale Linear layers, none with a quantized recipe"
+            if linears
+            else "no blockscale Linear layer"
+        )
+        raise ValueError(
+            f"enable_quantized_all_gather: {type(model).__name__} has {found}, so nothing "
+            "would be gathered quantized; call bs.convert(model, recipe) with an NVFP4 or "
+            "MXFP8 recipe first"
+        )
     done: dict[int, nn.Parameter] = {}
     for name, module in model.named_modules():
         if not (isinstance(module, Linear) and module.recipe.quantized):
