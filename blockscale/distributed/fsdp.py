@@ -15,9 +15,14 @@ Mechanism: FSDP2's tensor-subclass all-gather extension (`fsdp_pre_all_gather` /
 says why 2.11-2.12 should behave the same).
 `enable_quantized_all_gather` wraps the weight of every quantized `blockscale.nn.Linear` in a
 `ShardedWeight`: a thin subclass around the FP32 tensor that behaves as that tensor for every
-op (the optimizer updates the FP32 shard in place, its state is plain FP32, the state_dict
-holds the same values) and survives FSDP's sharding (`new_zeros`, `split`, `narrow`, `copy_`
-and views keep the subclass). Then, at each all-gather, on every rank:
+op and survives FSDP's sharding (`new_zeros`, `split`, `narrow`, `copy_` and views keep the
+subclass). Its dispatch unwraps every argument, runs the op, and returns what the op's schema
+returns: for an op that mutates (in place, `out=`, the optimizers' `_foreach_*_` and
+`_fused_adamw_`, whose schemas return nothing) the caller's own arguments or None, so
+per-tensor, foreach and fused optimizers update the FP32 shard in place with plain FP32
+state, bit for bit as on a plain parameter; the state_dict holds the same values. FSDP2
+looks for its all-gather hooks on the parameter's local tensor, so a subclass there is the
+one place they can live. Then, at each all-gather, on every rank:
 
 1. `fsdp_pre_all_gather` reduces the weight's amax over the shard group (one MAX all-reduce of
    a scalar; none for MXFP8, which has no tensor scale) and quantizes its FP32 shard, rows
