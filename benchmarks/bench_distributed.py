@@ -544,6 +544,8 @@ def _suite_hf(sizes: SuiteSizes, tmp: Path, cpu: bool, ranks: list[int]) -> list
                 r["tokens_per_s_vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
                 if r["peak_gib"] and base["peak_gib"]:
                     r["peak_vs_bf16"] = r["peak_gib"] / base["peak_gib"]
+                if not base["all_gather_bytes"]:  # one rank: FSDP2 gathers nothing
+                    continue
                 r["all_gather_vs_bf16"] = r["all_gather_bytes"] / base["all_gather_bytes"]
                 if r["converted_blocks"]:  # the converted blocks' groups alone
                     groups = [f"model.layers.{i}" for i in r["converted_blocks"]]
