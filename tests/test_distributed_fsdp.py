@@ -158,6 +158,19 @@ class _OneRankMesh:
         raise AssertionError("these checks must fail before any collective")
 
 
+@pytest.mark.parametrize("recipe", [None, "bf16"])
+def test_nothing_converted_raises(recipe):
+    # Before convert (or with a bf16 recipe) there is nothing to gather quantized: say so
+    # rather than return 0 and let FSDP gather every weight unquantized.
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    if recipe is not None:
+        bs.convert(model, bs.recipes.get(recipe))
+    found = "none with a quantized recipe" if recipe else "no blockscale Linear layer"
+    with pytest.raises(ValueError, match=f"{found}.*call bs.convert\\(model, recipe\\)"):
+        enable_quantized_all_gather(model)
+    assert all(type(p) is nn.Parameter and type(p.data) is torch.Tensor for p in model.parameters())
+
+
 def test_weight_layout_cannot_change_after_first_gather():
     # FSDP sizes its buffers at the first all-gather: a later recipe change or a switch to
     # BF16 (set_precision) raises instead of computing with something else. mxfp8 first: it

@@ -393,3 +393,28 @@ def test_linear_with_whole_operands_is_unchanged_by_the_reduction():
         results.append((out, xi.grad, wi.grad))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+def _stacked_worker(rank: int, world_size: int) -> None:
+    # A stacked weight ([q; k; v] rows, each split over the ranks: `_StridedShard(0, 3)`) and
+    # its whole value, both ways, by tp.py's own gather and cut (torch 2.11's DTensor refuses
+    # full_tensor() of this placement on a 1-D mesh; checkpoints rely on these two).
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    whole = torch.randn(96, 8, generator=torch.Generator().manual_seed(0))
+    placement = (_StridedShard(0, split_factor=3),)
+    made = distribute_tensor(whole, mesh, placement, src_data_rank=None)  # as the plan makes it
+    rows = [whole[p * 32 + rank * 16 : p * 32 + (rank + 1) * 16] for p in range(3)]
+    assert torch.equal(made.to_local(), torch.cat(rows))  # rank r: q_r, k_r, v_r
+    assert torch.equal(tp.stacked_full_tensor(made), whole)
+    cut = tp.stacked_from_full(whole, mesh, placement)
+    assert torch.equal(cut.to_local(), made.to_local())
+    assert cut.placements == made.placements and cut.shape == whole.shape
+    with pytest.raises(ValueError, match="dim 0 is not 3 parts split over 2 ranks"):
+        tp.stacked_from_full(whole[:93], mesh, placement)
+
+
+def test_stacked_weights_gather_and_cut_without_dtensor_redistribution():
+    run_local(_stacked_worker, WORLD)

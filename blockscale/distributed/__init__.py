@@ -2,7 +2,7 @@
 
 - `enable_quantized_all_gather(model)`: FSDP2 (`fully_shard`) all-gathers the weights of
   quantized layers as NVFP4 / MXFP8 codes and scales, bit-identical to quantizing the whole
-  weight on one device (fsdp.py).
+  weight on one device (fsdp.py); a ValueError if nothing in the model is converted.
 - `cast_master_weights_to_nvfp4(...)`: ZeRO-style flat FP32 master shards cast into NVFP4
   primary weights (`to_nvfp4_primary_weights`), bit-identical to a one-rank cast for any
   slice boundaries (master_cast.py).

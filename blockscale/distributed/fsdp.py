@@ -15,9 +15,14 @@ Mechanism: FSDP2's tensor-subclass all-gather extension (`fsdp_pre_all_gather` /
 says why 2.11-2.12 should behave the same).
 `enable_quantized_all_gather` wraps the weight of every quantized `blockscale.nn.Linear` in a
 `ShardedWeight`: a thin subclass around the FP32 tensor that behaves as that tensor for every
-op (the optimizer updates the FP32 shard in place, its state is plain FP32, the state_dict
-holds the same values) and survives FSDP's sharding (`new_zeros`, `split`, `narrow`, `copy_`
-and views keep the subclass). Then, at each all-gather, on every rank:
+op and survives FSDP's sharding (`new_zeros`, `split`, `narrow`, `copy_` and views keep the
+subclass). Its dispatch unwraps every argument, runs the op, and returns what the op's schema
+returns: for an op that mutates (in place, `out=`, the optimizers' `_foreach_*_` and
+`_fused_adamw_`, whose schemas return nothing) the caller's own arguments or None, so
+per-tensor, foreach and fused optimizers update the FP32 shard in place with plain FP32
+state, bit for bit as on a plain parameter; the state_dict holds the same values. FSDP2
+looks for its all-gather hooks on the parameter's local tensor, so a subclass there is the
+one place they can live. Then, at each all-gather, on every rank:
 
 1. `fsdp_pre_all_gather` reduces the weight's amax over the shard group (one MAX all-reduce of
    a scalar; none for MXFP8, which has no tensor scale) and quantizes its FP32 shard, rows
@@ -99,6 +104,29 @@ _KEEP_SUBCLASS = {
     torch.ops.aten._to_copy.default,
     torch.ops.aten._pin_memory.default,
 }
+
+
+def _mutated_result(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    """What a mutating op returns when its plain twin returned `out`: None for the ops whose
+    schema returns nothing (`_foreach_add_`, `_fused_adamw_`: their dispatch must return
+    None), and for each returned alias of a written argument (`add_`'s self, `add.out`'s out)
+    that argument as the caller passed it, a ShardedWeight stays one."""
+    schema = func._schema
+    if not schema.returns:
+        return None
+    written = {}
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is not None and info.is_write and info.before_set:
+            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+            written[frozenset(info.before_set)] = value
+    outs = out if isinstance(out, tuple) else (out,)
+    results = []
+    for ret, value in zip(schema.returns, outs, strict=True):
+        info = ret.alias_info
+        key = frozenset(info.before_set) if info is not None and info.is_write else None
+        results.append(written.get(key, value) if key is not None else value)
+    return tuple(results) if isinstance(out, tuple) else results[0]
 
 
 def _shard_amax(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -281,13 +309,10 @@ class ShardedWeight(torch.Tensor):
         kwargs = kwargs or {}
         plain_args, plain_kwargs = tree_map_only(ShardedWeight, lambda t: t._data, (args, kwargs))
         out = func(*plain_args, **plain_kwargs)
-        schema_args = func._schema.arguments
-        if (
-            schema_args
-            and schema_args[0].alias_info is not None
-            and schema_args[0].alias_info.is_write
-        ):
-            return args[0]  # in place (copy_, add_, the optimizer's updates): same wrapper
+        if func._schema.is_mutable:
+            # In place, out= and the optimizers' foreach / fused ops wrote the wrapped tensors;
+            # the caller gets what the op's schema returns, in terms of its own arguments.
+            return _mutated_result(func, args, kwargs, out)
         if func in _KEEP_SUBCLASS:
             return tree_map_only(torch.Tensor, ShardedWeight, out)
         return out
@@ -354,7 +379,8 @@ def enable_quantized_all_gather(model: nn.Module) -> int:
     """Make FSDP2 all-gather the weights of `model`'s quantized blockscale Linears as NVFP4 /
     MXFP8 (see this module's docstring). Call after `convert` and before `fully_shard`;
     returns the number of weights changed. A Parameter shared by several layers is wrapped
-    once.
+    once. A model with no quantized blockscale Linear raises a ValueError (called before
+    `convert`, or with a bf16 recipe, it would otherwise gather every weight unquantized).
 
     >>> model = bs.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), bs.recipes.get("nvfp4"))
     >>> bs.distributed.enable_quantized_all_gather(model)  # then fully_shard(model) as usual
@@ -362,6 +388,18 @@ def enable_quantized_all_gather(model: nn.Module) -> int:
     """
     from torch.distributed.tensor import DTensor  # noqa: PLC0415 (not needed before)
 
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if not any(m.recipe.quantized for m in linears):
+        found = (
+            f"{len(linears)} blockscale Linear layers, none with a quantized recipe"
+            if linears
+            else "no blockscale Linear layer"
+        )
+        raise ValueError(
+            f"enable_quantized_all_gather: {type(model).__name__} has {found}, so nothing "
+            "would be gathered quantized; call bs.convert(model, recipe) with an NVFP4 or "
+            "MXFP8 recipe first"
+        )
     done: dict[int, nn.Parameter] = {}
     for name, module in model.named_modules():
         if not (isinstance(module, Linear) and module.recipe.quantized):

@@ -358,6 +358,49 @@ class _StackedColwiseParallel(QuantizedColwiseParallel):
         return module
 
 
+def _strided_placement(mesh: DeviceMesh, placements) -> _StridedShard:
+    placements = tuple(placements)
+    if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], _StridedShard):
+        raise ValueError(
+            f"placements {placements} on a {mesh.ndim}-D mesh: stacked tensor-parallel weights "
+            "are one _StridedShard on a 1-D mesh"
+        )
+    return placements[0]
+
+
+def stacked_full_tensor(value: DTensor) -> torch.Tensor:
+    """The whole tensor of a stacked weight (a `_StridedShard` DTensor made by
+    `apply_tensor_parallel`, or its optimizer state), from one all-gather of the local pieces.
+    DTensor's own `full_tensor()` / `redistribute` cannot be used: torch 2.11 reads a
+    `_StridedShard` as a shard order over several mesh dims and refuses it on a 1-D mesh
+    ("unable to be interpreted into a corresponding shard_order"); 2.13 accepts it."""
+    mesh = value.device_mesh
+    placement = _strided_placement(mesh, value.placements)
+    dim, parts, w = placement.dim, placement.split_factor, mesh.size()
+    local = value.to_local().contiguous()
+    pieces = [torch.empty_like(local) for _ in range(w)]
+    torch.distributed.all_gather(pieces, local, group=mesh.get_group())
+    # Rank r holds piece r of every part, in part order: put part p's W pieces side by side.
+    return torch.cat([pieces[r].chunk(parts, dim)[p] for p in range(parts) for r in range(w)], dim)
+
+
+def stacked_from_full(whole: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
+    """`whole` (the same on every rank) as a stacked weight of `placements` (one
+    `_StridedShard`): this rank's piece of every part, cut here, not by DTensor (see
+    `stacked_full_tensor`)."""
+    placement = _strided_placement(mesh, placements)
+    dim, parts, w = placement.dim, placement.split_factor, mesh.size()
+    if whole.shape[dim] % (parts * w):
+        raise ValueError(
+            f"shape {tuple(whole.shape)}: dim {dim} is not {parts} parts split over {w} ranks"
+        )
+    rank = mesh.get_local_rank()
+    local = torch.cat([part.chunk(w, dim)[rank] for part in whole.chunk(parts, dim)], dim)
+    return DTensor.from_local(
+        local, mesh, (placement,), run_check=False, shape=whole.shape, stride=whole.stride()
+    )
+
+
 def _stacked_layers(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module | None]]:
     """(block name, its attention, its dense MLP or None) for each block of a model built like
     blockscale's: `layers`, each with `attn` (`wqkv`, `wo`, `n_heads`) and `mlp`; an `mlp`

@@ -405,14 +405,22 @@ def _strided_as_local(undo: list[tuple[dict, str, tuple]]) -> None:
 
 
 def _relayout(states: dict, key: str, placements) -> None:
-    """states[key], a DTensor, with the same whole value in `placements`, rebuilt from the
-    whole tensor (an all-gather, then each rank keeps its part)."""
-    from torch.distributed.tensor import distribute_tensor
+    """states[key], a DTensor, with the same whole value in `placements` (Shard(0) or its
+    `_StridedShard` layout), rebuilt from the whole tensor (an all-gather, then each rank
+    keeps its part). The strided side is tp.py's own code, never DTensor's: torch 2.11's
+    DTensor cannot gather or place a `_StridedShard` on a 1-D mesh."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from blockscale.distributed.tp import stacked_from_full, stacked_full_tensor
 
     value = states[key]
-    states[key] = distribute_tensor(
-        value.full_tensor(), value.device_mesh, placements, src_data_rank=None
-    )
+    mesh = value.device_mesh
+    if list(placements) == [Shard(0)]:
+        states[key] = distribute_tensor(
+            stacked_full_tensor(value), mesh, placements, src_data_rank=None
+        )
+    else:
+        states[key] = stacked_from_full(value.full_tensor(), mesh, placements)
 
 
 def _rank_files(path: Path, verified: bool) -> list[tuple[dict, str]]:
