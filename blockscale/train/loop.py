@@ -202,6 +202,7 @@ def _carried_over(written: list[dict], ranks: Ranks) -> dict:
     return out
 
 
+@files.one_writer  # one process writes a run folder: the others are refused (files.py)
 def train(
     cfg: TrainConfig,
     run_dir: Path,
