@@ -266,7 +266,7 @@ def train(
     else:
         ranks, device = Ranks(), build.resolve_device(cfg.device)
     metrics.enabled = ranks.main
-    corpus = load_corpus(cfg.data, cfg.max_data_bytes)
+    corpus = load_corpus(cfg.data, cfg.max_data_bytes, binary_ok=cfg.binary_data)
     model, recipe = build.build_model(cfg, device)
     if ranks.tensor_parallel:
         # After convert, before the optimizer. Every rank continues the stream of
