@@ -50,7 +50,7 @@ import torch.nn.functional as F
 import blockscale.nn as bsnn
 from blockscale.models import moe_layers
 from blockscale.ops import EXACT_INDUCTOR_OPTIONS
-from blockscale.train import build, checkpoint, files, telemetry
+from blockscale.train import build, checkpoint, files, step_time, telemetry
 from blockscale.train.config import RESUMABLE, TrainConfig, differences, identity
 from blockscale.train.data import Batches, load_corpus
 from blockscale.train.errors import UsageError
@@ -344,6 +344,8 @@ def train(
     n_params = sum(p.numel() for p in model.parameters())
     if ranks.expert_parallel:  # the whole model's: the other ranks' experts counted too
         n_params += (ranks.world_size - 1) * sum(p.numel() for p in local_experts(model).values())
+    if ranks.main:  # a step over a minute is said before the bar (step_time.py)
+        step_time.say_if_slow(model, seq_len, tokens_per_step // ranks.data_ranks, device)
     bar = None
     if progress and ranks.main and tqdm is not None:
         bar = tqdm(
