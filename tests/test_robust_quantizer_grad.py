@@ -32,22 +32,27 @@ def expected_grad(x: torch.Tensor, g: torch.Tensor, options: dict) -> torch.Tens
     return grad
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(CASES))
-def test_dequantize_passes_the_gradient_straight_through(case, dtype):
+def test_dequantize_passes_the_gradient_straight_through(case, dtype, device):
     fmt, options = CASES[case]
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 16, 64, generator=g).to(dtype).requires_grad_()
+    x = torch.randn(2, 16, 64, generator=g).to(device, dtype).requires_grad_()
     torch.manual_seed(1)
     q = fmt.quantize(x, **options)
-    upstream = torch.randn(q.shape, generator=g)
+    upstream = torch.randn(q.shape, generator=g).to(device)
     (q.dequantize() * upstream).sum().backward()
     want = expected_grad(x, upstream, options)
     assert x.grad.dtype == dtype
     torch.testing.assert_close(x.grad, want, atol=0, rtol=0)
     if not options.get("hadamard"):  # plainly the upstream gradient, in x's layout
         flat = upstream.t() if options.get("transpose") else upstream
-        torch.testing.assert_close(x.grad, flat.reshape(x.shape).to(dtype), atol=0, rtol=0)
+        want = flat.reshape(x.shape).to(dtype)
+        torch.testing.assert_close(x.grad, want, atol=0, rtol=0)
     # the same bits as without autograd; the format's values carry no gradient
     torch.manual_seed(1)
     with torch.no_grad():
