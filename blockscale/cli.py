@@ -169,6 +169,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         args.max_tokens,
         args.batch_size,
         progress=not args.quiet,
+        binary_data=args.binary_data,
     )
     print(
         f"{result['run']} ({result['checkpoint']}) on {result['data']}: loss {result['val_loss']:.4f}, {result['val_bpb']:.4f} bits/byte over {result['val_tokens']:,} bytes"
@@ -263,6 +264,11 @@ def parser() -> argparse.ArgumentParser:
         type=range_type(int, COUNT),
         default=0,
         help="sequences per batch (0: the run's) [0]",
+    )
+    ev.add_argument(
+        "--binary-data",
+        action="store_true",
+        help="score --data even where it does not look like text (bytes outside UTF-8)",
     )
     ev.add_argument("--quiet", action="store_true", help="no progress bar")
     ev.set_defaults(func=cmd_eval)

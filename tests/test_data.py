@@ -39,12 +39,12 @@ def test_single_file_holds_out_every_50th_block(tmp_path):
     data = torch.randint(0, 256, (n,), dtype=torch.uint8)
     path = tmp_path / "corpus.txt"
     path.write_bytes(bytes(data.tolist()))
-    corpus = load_corpus(str(path))
+    corpus = load_corpus(str(path), binary_ok=True)  # random bytes: not text
     assert corpus.val.numel() == 2 * HOLDOUT_BLOCK
     assert corpus.train.numel() + corpus.val.numel() == n
     first_held = (HOLDOUT_EVERY - 1) * HOLDOUT_BLOCK
     assert torch.equal(corpus.val[:HOLDOUT_BLOCK], data[first_held : first_held + HOLDOUT_BLOCK])
-    assert torch.equal(read_all(str(path)), data)
+    assert torch.equal(read_all(str(path), binary_ok=True), data)
 
 
 def test_default_data_is_the_standard_library():

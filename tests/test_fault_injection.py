@@ -345,3 +345,92 @@ sys.exit(main(sys.argv[1:]))
     )
     assert resumed.returncode == 0, resumed.stderr
     assert_same_run(run_dir, reference)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="needs Linux /proc")
+def test_one_writer_per_run_folder_and_a_killed_writer_does_not_block_its_resume(
+    reference, tmp_path
+):
+    """Two `train` processes on one --out interleaved their rows and overwrote each other's
+    checkpoints, both ending "done" (issue 37). Now the second stops with one line naming the
+    first's PID (a fresh start and a --resume alike), and once the first is killed by SIGKILL
+    the run resumes to the uninterrupted run's rows and weights."""
+    run_dir = tmp_path / "run"
+    # The writer stops after its first checkpoint, holding the run, until it is killed.
+    driver = """
+import sys, time
+from blockscale.cli import main
+from blockscale.train import checkpoint
+original = checkpoint.save
+def save(*args, **kwargs):
+    original(*args, **kwargs)
+    print("checkpointed", flush=True)
+    time.sleep(300)
+checkpoint.save = save
+sys.exit(main(sys.argv[1:]))
+"""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    writer = subprocess.Popen(
+        [sys.executable, "-c", driver, "train", *cli_flags(run_dir)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # (the lines before it: the run's own header)
+        if not any(line.strip() == "checkpointed" for line in writer.stdout):
+            pytest.fail(f"the writer ended first: {writer.stderr.read()}")
+        for resume in ([], ["--resume"]):
+            second = subprocess.run(
+                [sys.executable, "-m", "blockscale", "train", *resume, *cli_flags(run_dir)],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert second.returncode == 2, second.stderr
+            assert second.stderr.count("\n") == 1, second.stderr
+            assert f"{run_dir} is being written by another process (PID {writer.pid}" in (
+                second.stderr
+            )
+        writer.kill()
+        writer.wait(timeout=60)
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+    assert writer.returncode == -signal.SIGKILL
+    resumed = subprocess.run(
+        [sys.executable, "-m", "blockscale", "train", "--resume", *cli_flags(run_dir)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_run(run_dir, reference)
+    assert not (run_dir / files.LOCK_NAME).exists()  # a run that ends leaves no lock file
+
+
+def test_a_run_folder_held_by_this_process_is_refused_and_freed_after(tmp_path):
+    """The library door: train() on a folder whose lock is held raises the same one line; a
+    run that fails to start gives the lock back and leaves no folder behind."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lock = files.RunLock(run_dir)
+    lock.acquire()
+    try:
+        with pytest.raises(UsageError, match=rf"PID {os.getpid()}, holding .*\.lock\); wait"):
+            train(dataclasses.replace(CFG, steps=1), run_dir, progress=False)
+    finally:
+        lock.release()
+    fresh = tmp_path / "fresh"
+    with pytest.raises(UsageError, match="does not exist"):
+        train(dataclasses.replace(CFG, data=str(tmp_path / "none")), fresh, progress=False)
+    assert not fresh.exists()
+    summary = train(dataclasses.replace(CFG, steps=1, ckpt_every=0), run_dir, progress=False)
+    assert summary["status"] == "done" and not (run_dir / files.LOCK_NAME).exists()

@@ -129,3 +129,19 @@ def test_out_where_no_folder_can_be_made_gets_one_line(capsys):
     assert main(["train", "--out", "/proc/no-such-run", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "cannot write the run in /proc/no-such-run: [Errno" in err and err.count("\n") == 1
+
+
+def test_compare_runs_each_recipe_once_and_always_the_bf16_baseline(tmp_path, capsys):
+    """`compare --recipes nvfp4,nvfp4` ran nvfp4 once plus the bf16-seed1 noise run, with no
+    bf16 run to measure a gap from: the gap column was all "-" (issue 37)."""
+    from blockscale.train.compare import variants
+
+    runs = variants(TrainConfig(), ["nvfp4", "nvfp4"], ["hadamard", "hadamard"], True)
+    assert list(runs) == ["bf16", "nvfp4", "bf16-seed1", "nvfp4-no-hadamard"]
+    assert runs["bf16"].recipe == "bf16" and runs["bf16"].seed == 0
+    # the command line: the runs it would make, named by --report-only on an empty folder
+    args = ["compare", "--recipes", "nvfp4,nvfp4", "--report-only", "--out", str(tmp_path)]
+    assert main(args) == 2
+    assert "holds none of this comparison's runs (bf16, nvfp4, bf16-seed1)" in (
+        capsys.readouterr().err
+    )

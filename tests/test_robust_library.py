@@ -12,6 +12,7 @@ from blockscale import gemm, mxfp8, nvfp4, recipes
 from blockscale.formats import e2m1, grouped
 from blockscale.gemm import emulated
 from blockscale.gemm import grouped as gemm_grouped
+from blockscale.nn import convert as bs_convert
 from blockscale.train import TrainConfig, build, read_metrics, train
 
 
@@ -200,3 +201,93 @@ def test_native_scaled_mm_called_directly_refuses_one_hadamard_operand(ha, hb):
     with pytest.raises(ValueError, match=f"{ONE_HADAMARD} one: a has hadamard={ha}, b has"):
         native.scaled_mm_args(a, b)
     native.scaled_mm_args(*operands(True, True))  # a pair is accepted
+
+
+# ---------------------------------------------------------------- issue 37: convert, meta
+
+
+def three_layers():
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+    )
+
+
+def kinds(model):
+    return [type(m).__module__.split(".")[0] for m in model]
+
+
+def test_a_filter_that_raises_leaves_the_model_unchanged():
+    """It left layer 0 converted and layer 2 not: every module is decided before any swap."""
+    model = three_layers()
+
+    def filter_fn(module, fqn):
+        if fqn == "2":
+            raise RuntimeError("my filter's own bug")
+        return True
+
+    with pytest.raises(RuntimeError, match="my filter's own bug"):
+        bs_convert(model, recipes.get("nvfp4"), filter_fn)
+    assert kinds(model) == ["torch"] * 4
+    # an already converted model keeps its recipe as well
+    bs_convert(model, recipes.get("mxfp8"))
+    with pytest.raises(RuntimeError):
+        bs_convert(model, recipes.get("nvfp4"), filter_fn)
+    assert [m.recipe.name for m in model if hasattr(m, "recipe")] == ["mxfp8"] * 3
+
+
+@pytest.mark.parametrize("answer", ["False", None, 1, 0, torch.tensor(True)])
+def test_a_filter_must_answer_a_bool(answer):
+    """The string "False" is truthy: it converted the layer without a word."""
+    model = three_layers()
+    with pytest.raises(TypeError, match=r"module_filter_fn returned .* for 0 \(Linear\): it must"):
+        bs_convert(model, recipes.get("nvfp4"), lambda module, fqn: answer)
+    assert kinds(model) == ["torch"] * 4
+
+
+def test_a_numpy_bool_is_a_bool():
+    np = pytest.importorskip("numpy")
+    model = three_layers()
+    bs_convert(model, recipes.get("nvfp4"), lambda module, fqn: np.bool_(fqn != "2"))
+    assert kinds(model) == ["blockscale", "torch", "torch", "blockscale"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp8"])
+def test_a_converted_model_runs_on_the_meta_device(recipe, dtype):
+    """Meta forwards are how tools count shapes and FLOPs: a converted Linear's raised
+    `unknown device type for autocast` (ops/linear.py) where a plain one ran."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64, dtype=dtype), torch.nn.Linear(64, 96))
+    bs_convert(model, recipes.get(recipe))
+    assert kinds(model) == ["blockscale"] * 2
+    x = torch.empty(2, 5, 32, device="meta", dtype=dtype, requires_grad=True)
+    hidden = model[0](x)
+    assert (hidden.shape, hidden.dtype, hidden.device.type) == ((2, 5, 64), dtype, "meta")
+    out = model[1](hidden.float())
+    assert (out.shape, out.dtype) == ((2, 5, 96), torch.float32)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and model[0].weight.grad.shape == (64, 32)
+
+
+class _MetaExperts(torch.nn.Module):
+    """Experts as transformers 5.x keeps them: 3D weights through F.grouped_mm."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.empty(4, 64, 32))
+        self.down_proj = torch.nn.Parameter(torch.empty(4, 32, 32))
+
+    def forward(self, x, offs):
+        w1, w2 = self.gate_up_proj.to(x.dtype), self.down_proj.to(x.dtype)
+        h = torch.nn.functional.grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+        return torch.nn.functional.grouped_mm(h[:, :32], w2.transpose(-2, -1), offs=offs)
+
+
+def test_converted_experts_run_on_the_meta_device():
+    with torch.device("meta"):
+        experts = _MetaExperts()
+    bs_convert(experts, recipes.get("nvfp4"))
+    assert set(experts.grouped_mms) == {"gate_up_proj", "down_proj"}
+    offs = torch.empty(4, dtype=torch.int32, device="meta")
+    out = experts(torch.empty(40, 32, device="meta", dtype=torch.bfloat16), offs)
+    assert (out.shape, out.dtype, out.device.type) == ((40, 32), torch.bfloat16, "meta")

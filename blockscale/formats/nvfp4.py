@@ -11,13 +11,15 @@ Decisions where NUMERICS.md leaves room (docs/NUMERICS_NOTES.md has the reasonin
   GEMM output made from the tensor is NaN, never a finite number.
 - The containers keep leading dims: a [B, T, K] input gives data [B, T, K/2].
   transpose=True flattens leading dims first and quantizes the [K, B*T] transpose.
+- Under autograd, `dequantize` passes the gradient straight through to x, as mxfp8's does;
+  nothing else is differentiable (formats/straight_through.py says why).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from blockscale.formats import e2m1
+from blockscale.formats import e2m1, straight_through
 from blockscale.formats import hadamard as rht
 from blockscale.formats._checks import as_2d, check_amax, check_blocks, check_flags
 from blockscale.formats.scales import E4M3_MAX, FLT_MAX, to_e4m3
@@ -36,6 +38,7 @@ class NVFP4Tensor:
     data:  uint8 [..., K/2], element 2i in the low nibble
     scale: float8_e4m3fn [..., K/16] row-major (16x16: each tile's scale on its 16 rows)
     amax:  FP32 scalar the global scale came from
+    source: under autograd, what `dequantize` passes the gradient to (straight_through.py)
 
     >>> q = bs.nvfp4.quantize(torch.randn(4, 32))
     >>> q.data.shape, q.scale.shape, q.amax.dtype  # two codes a byte, one scale per 16
@@ -50,6 +53,7 @@ class NVFP4Tensor:
     shape: torch.Size
     block: str = "1x16"
     hadamard: bool = False
+    source: straight_through.Source = field(default=None, repr=False, compare=False, kw_only=True)
 
     def codes(self) -> torch.Tensor:
         """Unpacked uint8 E2M1 codes, [..., K]."""
@@ -68,8 +72,10 @@ class NVFP4Tensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """code * block scale * S_dec, in FP32, then cast to `dtype`.
 
-        For a Hadamard copy this is the transformed tensor (H is not undone)."""
-        return (self.dq(torch.float32) * self.global_decode_scale()).to(dtype)
+        For a Hadamard copy this is the transformed tensor (H is not undone). Under autograd
+        the gradient passes straight through to the quantized x (straight_through.py)."""
+        value = (self.dq(torch.float32) * self.global_decode_scale()).to(dtype)
+        return straight_through.attach(value, self.source)
 
     def t(self) -> "NVFP4Tensor":
         """The exact transpose of a 2-D 16x16 tensor: codes and scales transposed, no
@@ -88,7 +94,12 @@ class NVFP4Tensor:
         tiles = self.scale[::BLOCK]  # [rows/16, cols/16]: one scale per tile
         scale_t = tiles.t().contiguous().repeat_interleave(BLOCK, dim=0)
         return NVFP4Tensor(
-            e2m1.pack(codes_t), scale_t, self.amax, torch.Size((cols, rows)), "16x16"
+            e2m1.pack(codes_t),
+            scale_t,
+            self.amax,
+            torch.Size((cols, rows)),
+            "16x16",
+            source=straight_through.transposed(self.source),
         )
 
 
@@ -139,6 +150,9 @@ def quantize(
     amax:      use this tensor amax instead of max|x| (e.g. one reduced over ranks): a float32
                tensor of one value, >= 0 (NaN or Inf for non-finite input)
 
+    Autograd: the result's `dequantize()` passes the gradient straight through to x (to x's
+    transpose or Hadamard transform where those were asked); codes and scales carry none.
+
     >>> x = torch.tensor([[0.0, 0.4, 1.1, 1.6, 2.2, 2.9, 4.1, -6.0] * 2])
     >>> bs.nvfp4.quantize(x).dequantize(torch.float32)[0, :8]  # the nearest E2M1 values
     tensor([ 0.0000,  0.5000,  1.0000,  1.5000,  2.0000,  3.0000,  4.0000, -6.0000])
@@ -157,6 +171,13 @@ def quantize(
     check_blocks(rows, cols, "NVFP4", BLOCK if block == "16x16" else 1, BLOCK)
     shape = x2.shape if transpose else x.shape
     lead = shape[:-1]
+
+    def approximated(x: torch.Tensor) -> torch.Tensor:
+        x2 = as_2d(x, "NVFP4", transpose)
+        return (rht.transform(x2) if hadamard else x2).float().reshape(shape)
+
+    source = straight_through.source_of(x, approximated)
+    x2 = x2.detach()  # the codes and scales are values, not functions of x (see `source`)
 
     xf = (rht.transform(x2) if hadamard else x2).float()
     if amax is None:
@@ -187,4 +208,5 @@ def quantize(
         shape=torch.Size(shape),
         block=block,
         hadamard=hadamard,
+        source=source,
     )

@@ -72,7 +72,10 @@ def convert(
     grouped GEMMs to `blockscale.nn.GroupedMM(recipe)`, in place; returns model.
 
     `module_filter_fn(module, fqn) -> bool` picks the linears and experts modules to convert
-    (True converts); `layer_policy(model)` builds the paper's. An already converted layer or
+    (True converts); `layer_policy(model)` builds the paper's. It must answer a bool (Python's
+    or numpy's): anything else (None, 0/1, "False", a tensor) raises a TypeError naming the
+    module. Every module is decided before any is changed, so a filter that raises leaves the
+    model as it was. An already converted layer or
     experts module gets the new recipe. A bare nn.Linear passed as `model` cannot be swapped
     in place: the converted layer is returned instead.
 
@@ -87,6 +90,21 @@ def convert(
     # No policy: find the LM head as layer_policy would, to say that it gets quantized.
     heads = _lm_head_finder(model) if module_filter_fn is None and recipe.quantized else None
 
+    def chosen(module: nn.Module, fqn: str) -> bool:
+        """The filter's answer: True without a filter; a bool, else a TypeError."""
+        if module_filter_fn is None:
+            return True
+        answer = module_filter_fn(module, fqn)
+        if not _is_bool(answer):
+            raise TypeError(
+                f"module_filter_fn returned {answer!r} ({type(answer).__name__}) for "
+                f"{fqn or '<root>'} ({type(module).__name__}): it must return True (convert) "
+                "or False (keep in high precision); the model is unchanged"
+            )
+        if not answer:
+            logger.debug("%s stays in high precision (module_filter_fn)", fqn or "<root>")
+        return bool(answer)
+
     def wants(module: nn.Module, fqn: str, n_experts: set[int]) -> bool:
         counts["total"] += 1
         if module.out_features in n_experts:
@@ -96,8 +114,7 @@ def convert(
                 module.out_features,
             )
             return False
-        if module_filter_fn is not None and not module_filter_fn(module, fqn):
-            logger.debug("%s stays in high precision (module_filter_fn)", fqn or "<root>")
+        if not chosen(module, fqn):
             return False
         reason = unsupported_reason(module.in_features, module.out_features, recipe)
         if reason is not None:
@@ -142,8 +159,7 @@ def convert(
                 implementation,
             )
             return []
-        if module_filter_fn is not None and not module_filter_fn(module, fqn):
-            logger.debug("%s stays in high precision (module_filter_fn)", fqn or "<root>")
+        if not chosen(module, fqn):
             return []
         # transformers marks experts stored as [E, K, N] with is_transposed; the usual is [E, N, K].
         transposed = getattr(module, "is_transposed", False) is True
@@ -159,18 +175,24 @@ def convert(
         counts["expert_converted"] += len(names)
         return names
 
-    def swap(module: nn.Module, fqn: str, n_experts: set[int]) -> nn.Module:
+    def decide(module: nn.Module, fqn: str, n_experts: set[int]) -> Callable[[], nn.Module]:
+        """What to do with `module` (a call that does it), decided without changing it."""
         weights = experts_weights(module)
         if weights:
             names = wanted_experts(module, fqn, weights)
-            return route_grouped_mm(module, recipe, names) if names else module
+            return (lambda: route_grouped_mm(module, recipe, names)) if names else lambda: module
         if isinstance(module, Linear):
             if wants(module, fqn, n_experts):
-                module.recipe = recipe
-            return module
+                return lambda: _set_recipe(module, recipe)
+            return lambda: module
         if type(module) is nn.Linear and wants(module, fqn, n_experts):
-            return Linear.from_float(module, recipe)
-        return module
+            return lambda: Linear.from_float(module, recipe)
+        return lambda: module
+
+    # Every module is decided (the filter called on each) before any is changed, so a filter
+    # that raises, or returns what is not a bool, leaves the model as it was.
+    plan: list[tuple[nn.Module, str, int]] = []  # (parent, child name, id of the child)
+    decided: dict[int, Callable[[], nn.Module]] = {}
 
     def visit(parent: nn.Module, prefix: str) -> None:
         children = list(parent.named_children())
@@ -183,17 +205,20 @@ def convert(
         }
         for name, child in children:
             fqn = f"{prefix}.{name}" if prefix else name
-            if id(child) in swapped:  # a module registered twice is converted once
-                setattr(parent, name, swapped[id(child)])
-                continue
-            visit(child, fqn)
-            new = swap(child, fqn, n_experts)
-            swapped[id(child)] = new
-            if new is not child:
-                setattr(parent, name, new)
+            if id(child) not in decided:  # a module registered twice is converted once
+                visit(child, fqn)
+                decided[id(child)] = decide(child, fqn, n_experts)
+            plan.append((parent, name, id(child)))
 
     visit(model, "")
-    model = swap(model, "", set())
+    decided_root = decide(model, "", set())
+    swapped: dict[int, nn.Module] = {}
+    for parent, name, child_id in plan:  # children before their parent, as decided
+        if child_id not in swapped:
+            swapped[child_id] = decided[child_id]()
+        if swapped[child_id] is not getattr(parent, name):
+            setattr(parent, name, swapped[child_id])
+    model = decided_root()
     experts = ""
     if counts["expert_total"]:
         experts = f" and {counts['expert_converted']} of {counts['expert_total']} expert weights"
@@ -205,6 +230,21 @@ def convert(
         recipe.name,
     )
     return model
+
+
+def _set_recipe(module: Linear, recipe: Recipe) -> Linear:
+    module.recipe = recipe
+    return module
+
+
+def _is_bool(value: object) -> bool:
+    """A Python bool, or numpy's (`np.bool_`, what a numpy comparison gives): answers with no
+    other reading. An int, None (a filter that forgot to return), a string ("False" is truthy)
+    or a tensor (one value or many, maybe on a GPU) is refused."""
+    kind = type(value)
+    return isinstance(value, bool) or (
+        kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool")
+    )
 
 
 def _find_blocks(model: nn.Module, blocks: str | None) -> tuple[str, int] | None:

@@ -243,6 +243,9 @@ def grouped_mm(
     reason = unsupported_reason(weight_t.shape[1], weight_t.shape[2], recipe)
     if reason is not None:
         raise ValueError(f"recipe {recipe.name} cannot run these experts: {reason}")
+    if input.is_meta or weight_t.is_meta:  # shapes and dtypes only (linear.meta_output)
+        dtype = out_dtype if out_dtype is not None else output_dtype(input)
+        return torch._grouped_mm(input, weight_t.to(input.dtype), offs=offs).to(dtype)
     backend = resolve_grouped_backend(recipe.backend, input.device)
     dtype = out_dtype if out_dtype is not None else output_dtype(input)
     return _GroupedMM.apply(input, weight_t, offs, recipe, backend, dtype)

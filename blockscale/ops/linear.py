@@ -475,7 +475,7 @@ def is_dtensor(t: torch.Tensor) -> bool:
 def output_dtype(input: torch.Tensor) -> torch.dtype:
     """The dtype a linear layer returns: the autocast dtype if autocast is on, else input's."""
     device_type = input.device.type
-    if torch.is_autocast_enabled(device_type):
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return input.dtype
 
@@ -520,8 +520,20 @@ def linear(
     reason = unsupported_reason(weight.shape[1], weight.shape[0], recipe)
     if reason is not None:
         raise ValueError(f"recipe {recipe.name} cannot run this layer: {reason}")
+    if input.is_meta or weight.is_meta:
+        return meta_output(F.linear(input, weight.to(input.dtype), None), bias, input)
     backend = resolve_backend(recipe.backend, input.device)
     return _Linear.apply(input, weight, bias, recipe, backend, output_dtype(input), amax_reduction)
+
+
+def meta_output(output: torch.Tensor, bias: torch.Tensor | None, input: torch.Tensor):
+    """A meta-device forward (how tools count shapes and FLOPs, and how a model is built before
+    its weights exist): the plain GEMM's shape in the dtype the quantized op returns, no
+    values. Autocast has no meta device, so the quantized path, which turns it off, cannot run;
+    nothing is quantized, and a backward through it gives shapes only as well."""
+    if bias is not None:
+        output = output + bias.to(output.dtype)
+    return output.to(output_dtype(input))
 
 
 class RecipeConstant:

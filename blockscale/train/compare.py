@@ -1,5 +1,8 @@
 """Compare recipes: one run per recipe or ablation, identical except for the precision.
 
+`bf16` always runs, first when `--recipes` leaves it out (every gap is measured from it), and a
+recipe or ablation named twice runs once.
+
 Every run shares the seed, so the same initial weights, the same batches in the same order and
 the same hyperparameters; only the recipe (or one switch of it) differs. Ablations switch one
 feature of the full NVFP4 recipe off, each in its own run:
@@ -34,6 +37,7 @@ from blockscale.train.loop import train
 from blockscale.train.report import variant_dir, write_report
 
 FINISHED = ("done", "diverged")
+BASELINE = "bf16"
 DEFAULT_RECIPES = ("bf16", "nvfp4", "mxfp8", "nvfp4_fwd_mxfp8_bwd")
 ABLATIONS = {
     "hadamard": {"hadamard": False},
@@ -53,6 +57,13 @@ def ablation_fields(name: str) -> dict:
     return {"recipe": "nvfp4", **ABLATIONS[name]}
 
 
+def with_baseline(names: Sequence[str]) -> list[str]:
+    """The recipes to run: each once, in the order given, and `bf16` first when not given:
+    every gap in the report is measured from it (without it the gap column was all "-")."""
+    names = list(dict.fromkeys(names))
+    return names if BASELINE in names else [BASELINE, *names]
+
+
 def variants(
     base: TrainConfig, names: list[str], ablate: list[str], noise_floor: bool
 ) -> dict[str, TrainConfig]:
@@ -67,12 +78,12 @@ def variants(
             raise UsageError(
                 f"ablation {name!r} does not exist; choose from {', '.join(ABLATIONS)}"
             )
-    runs = {name: dataclasses.replace(base, recipe=name) for name in names}
+    runs = {name: dataclasses.replace(base, recipe=name) for name in with_baseline(names)}
     if noise_floor:
         runs[f"bf16-seed{base.seed + 1}"] = dataclasses.replace(
             base, recipe="bf16", seed=base.seed + 1
         )
-    for name in ablate:
+    for name in dict.fromkeys(ablate):
         runs[ablation_label(name)] = dataclasses.replace(base, **ablation_fields(name))
     return runs
 
@@ -115,6 +126,8 @@ def compare(
     runs that exist, finished or not."""
     out = Path(out)
     runs = variants(base, list(names), list(ablate), noise_floor)
+    if BASELINE not in names and not report_only and only is None:
+        print(f"{BASELINE} added: the baseline every recipe's gap is measured from")
     if report_only:
         present = [name for name in runs if (variant_dir(out, name) / "config.json").exists()]
         if not present:

@@ -86,6 +86,9 @@ class TrainConfig:
     )
     data: str = _f("stdlib", "a .txt/.txt.gz file, a directory of them, or 'stdlib'")
     max_data_bytes: int = _f(0, "use only this many bytes of training text (0: all)", COUNT)
+    binary_data: bool = _f(
+        False, "train on --data even where it does not look like text (bytes outside UTF-8)"
+    )
     # Optimization.
     steps: int = _f(200, "optimizer steps", AT_LEAST_1)
     batch_size: int = _f(16, "sequences per micro-batch", AT_LEAST_1)
@@ -168,6 +171,7 @@ RESUMABLE = frozenset(
         "keep_checkpoints",
         "compile",
         "device",
+        "binary_data",  # lets a run read what it would refuse; reads nothing else
     }
 )
 

@@ -7,6 +7,13 @@ A corpus is a `.txt` or `.txt.gz` file, a directory of them (searched recursivel
 path), or the word `stdlib`: the top-level `.py` files of this Python's standard library, text
 that every Python install already has (about 5 MB).
 
+Every file must look like text: a file of which more than `BINARY_FRACTION` (5%) of the first
+MiB are control bytes (other than tab, newline, carriage return, form feed) or bytes of no valid
+UTF-8 sequence is refused, naming the file and the share, unless `binary_ok` (the `--binary-data`
+flag). Executables, images, archives and UTF-16 text all trained to "done" without a word
+before, on a corpus that was not what the user meant. A file that cannot be read or
+decompressed (a corrupt `.gz`) is one error naming the file, not a traceback.
+
 Held-out split: a directory whose file names start with `train` and `val` is split by those names
 (the layout of `shared/data/text/`). Otherwise every 50th block of 4 KiB is held out, so the
 validation text is spread over the whole corpus rather than taken from its last file.
@@ -19,7 +26,9 @@ resumed run needs no data-loader state beyond the step it resumes at.
 from __future__ import annotations
 
 import gzip
+import re
 import sysconfig
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +38,11 @@ from blockscale.train.errors import UsageError
 
 HOLDOUT_BLOCK = 4096
 HOLDOUT_EVERY = 50
+# A text file has fewer of its first TEXT_PROBE bytes outside printable UTF-8 than this share.
+BINARY_FRACTION = 0.05
+TEXT_PROBE = 1 << 20
+# Decoded with surrogateescape, a byte of no valid UTF-8 sequence is one of U+DC80..U+DCFF.
+_NOT_TEXT = re.compile("[\x00-\x08\x0e-\x1f\x7f\udc80-\udcff]")
 
 
 class ByteTokenizer:
@@ -41,14 +55,42 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
-def _read_bytes(path: Path) -> bytes:
+def _read_bytes(path: Path, binary_ok: bool) -> bytes:
     try:
         if path.name.endswith(".gz"):
             with gzip.open(path, "rb") as f:
-                return f.read()
-        return path.read_bytes()
-    except (OSError, EOFError) as e:
+                data = f.read()
+        else:
+            data = path.read_bytes()
+    except (OSError, EOFError, zlib.error) as e:
+        # gzip raises zlib.error for a corrupt stream, BadGzipFile (an OSError) for a bad
+        # header and EOFError for a cut one
         raise UsageError(f"cannot read data file {path}: {e}") from None
+    if not binary_ok:
+        check_text(path, data)
+    return data
+
+
+def not_text_fraction(data: bytes) -> float:
+    """The share of the first TEXT_PROBE bytes that are control bytes (tab, newline, carriage
+    return, vertical tab and form feed excepted) or belong to no valid UTF-8 sequence."""
+    head = data[:TEXT_PROBE]
+    if not head:
+        return 0.0
+    # (a sequence that the probe's end cuts counts as at most 3 bad bytes in a MiB)
+    bad = len(_NOT_TEXT.findall(head.decode("utf-8", errors="surrogateescape")))
+    return bad / len(head)
+
+
+def check_text(path: Path, data: bytes) -> None:
+    """Refuse a file that does not look like text (module docstring)."""
+    share = not_text_fraction(data)
+    if share > BINARY_FRACTION:
+        raise UsageError(
+            f"data file {path} does not look like text: {share:.0%} of its first "
+            f"{min(len(data), TEXT_PROBE):,} bytes are control bytes or not UTF-8 (more than "
+            f"{BINARY_FRACTION:.0%}); pass --binary-data (binary_data=True) to use it anyway"
+        )
 
 
 def text_files(spec: str) -> list[Path]:
@@ -70,9 +112,9 @@ def text_files(spec: str) -> list[Path]:
     return files
 
 
-def _concat(files: list[Path]) -> torch.Tensor:
+def _concat(files: list[Path], binary_ok: bool) -> torch.Tensor:
     # Files are joined by a blank line, the document separator of shared/data/text.
-    data = b"\n\n".join(_read_bytes(f) for f in files)
+    data = b"\n\n".join(_read_bytes(f, binary_ok) for f in files)
     return (
         torch.frombuffer(bytearray(data), dtype=torch.uint8)
         if data
@@ -80,9 +122,10 @@ def _concat(files: list[Path]) -> torch.Tensor:
     )
 
 
-def read_all(spec: str) -> torch.Tensor:
-    """All the bytes of a corpus, unsplit (what `eval` scores)."""
-    tokens = _concat(text_files(spec))
+def read_all(spec: str, binary_ok: bool = False) -> torch.Tensor:
+    """All the bytes of a corpus, unsplit (what `eval` scores); `binary_ok`: accept files that
+    do not look like text."""
+    tokens = _concat(text_files(spec), binary_ok)
     if tokens.numel() == 0:
         raise UsageError(f"data {spec!r} is empty: it holds no text")
     return tokens
@@ -95,15 +138,16 @@ class Corpus:
     source: str
 
 
-def load_corpus(spec: str, max_bytes: int = 0) -> Corpus:
-    """Read a corpus and split it; `max_bytes` > 0 keeps only that many bytes of training text."""
+def load_corpus(spec: str, max_bytes: int = 0, binary_ok: bool = False) -> Corpus:
+    """Read a corpus and split it; `max_bytes` > 0 keeps only that many bytes of training text;
+    `binary_ok`: accept files that do not look like text."""
     files = text_files(spec)
     train_files = [f for f in files if f.name.startswith("train")]
     val_files = [f for f in files if f.name.startswith("val")]
     if len(files) > 1 and train_files and val_files:
-        train, val = _concat(train_files), _concat(val_files)
+        train, val = _concat(train_files, binary_ok), _concat(val_files, binary_ok)
     else:
-        tokens = _concat(files)
+        tokens = _concat(files, binary_ok)
         n_blocks = -(-tokens.numel() // HOLDOUT_BLOCK)
         held = torch.zeros(n_blocks, dtype=torch.bool)
         held[HOLDOUT_EVERY - 1 :: HOLDOUT_EVERY] = True
@@ -151,7 +195,7 @@ def eval_windows(tokens: torch.Tensor, seq_len: int, max_tokens: int = 0):
     if max_tokens > 0:
         tokens = tokens[: max_tokens + 1]
     n = (tokens.numel() - 1) // seq_len
-    if n == 0:
+    if n < 1:  # (no text at all gives -1)
         raise UsageError(
             f"evaluation text has {tokens.numel()} bytes; seq_len={seq_len} needs at least {seq_len + 1}"
         )

@@ -70,9 +70,12 @@ def eval_run(
     max_tokens: int = 0,
     batch_size: int = 0,
     progress: bool = False,
+    binary_data: bool = False,
 ) -> dict:
     """Evaluate a run's checkpoint on all of `data` (a file, directory or 'stdlib'), or with
-    `data` None on the held-out part of the run's own data. `batch_size` 0: the run's."""
+    `data` None on the held-out part of the run's own data. `batch_size` 0: the run's.
+    `binary_data`: score `data` even where it does not look like text (data.check_text); the
+    run's own data is read as the run read it."""
     if batch_size < 0 or max_tokens < 0:
         raise UsageError(
             f"batch_size={batch_size} and max_tokens={max_tokens} must be at least 0 (0: default)"
@@ -94,9 +97,10 @@ def eval_run(
     if cfg.bf16_final_fraction > 0 and cfg.recipe != "bf16":
         bsnn.set_precision(model, False)
     if data is None:
-        tokens, data = load_corpus(cfg.data).val, f"{cfg.data} (held out)"
+        tokens = load_corpus(cfg.data, binary_ok=cfg.binary_data).val
+        data = f"{cfg.data} (held out)"
     else:
-        tokens = read_all(data)
+        tokens = read_all(data, binary_ok=binary_data)
     result = evaluate(
         model,
         tokens,

@@ -9,13 +9,28 @@ call returns the new one is on disk. `metrics.jsonl` is the one file appended to
 
 `fsync_dir` makes a rename or a new entry in a folder durable; without it a power loss can undo
 a rename that the file system had only in memory.
+
+One writer per run folder: `one_writer` wraps `train` so that it holds an exclusive `flock` on
+`DIR/.lock` for the run's life (rank 0 alone under torchrun). Two processes writing the same
+folder interleave their metrics rows and overwrite each other's checkpoints without an error;
+with the lock the second one stops with one line naming the first one's PID. The kernel drops
+the lock when its holder dies, however it dies (SIGKILL included), so a killed run never blocks
+its own `--resume`; a run that ends (or fails) removes the file. POSIX only: elsewhere no lock
+is taken.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, no lock
+    fcntl = None
 
 from blockscale.train.errors import UsageError
 
@@ -80,3 +95,92 @@ def reported(run_dir: Path):
         yield
     except OSError as e:
         raise write_failure(run_dir, e) from None
+
+
+LOCK_NAME = ".lock"
+
+
+class RunLock:
+    """An exclusive `flock` on `run_dir/.lock`, taken by `acquire` and given back by `release`
+    (or by the kernel when the process dies). The file holds the holder's PID, for the message
+    that refuses a second writer."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_NAME
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        if fcntl is None:
+            return
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode("ascii", "replace").strip()
+                os.close(fd)
+                raise UsageError(
+                    f"{self.run_dir} is being written by another process "
+                    f"({f'PID {holder}' if holder else 'its PID not yet written'}, holding "
+                    f"{self.path}); wait for it to end, or choose another --out"
+                ) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            # A holder that ended between our open and our flock removed the file we locked:
+            # lock the file that is there now instead.
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        # Removed while still held, so no process can lock the file on its way out.
+        self.path.unlink(missing_ok=True)
+        os.close(self.fd)
+        self.fd = None
+
+
+def one_writer(train):
+    """Decorate `train(cfg, run_dir, resume=False, ..., fsdp, ep, tp)` to hold `RunLock` on
+    `run_dir` while it runs (rank 0 of a torchrun launch alone). A fresh run's folder is made
+    here, so the lock exists before anything else: a folder this call made and that holds
+    nothing else when it ends is removed again (a start that failed leaves no empty folder).
+    Where `train` would refuse before writing (no folder to resume, `run_dir` a file) no lock
+    is taken, so its own message comes out."""
+
+    signature = inspect.signature(train)
+
+    @functools.wraps(train)
+    def locked(*args, **kwargs):
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        given = call.arguments
+        run_dir = Path(given["run_dir"])
+        distributed = given["fsdp"] or given["ep"] or given["tp"]
+        rank0 = not distributed or os.environ.get("RANK", "0") == "0"
+        if not rank0 or (given["resume"] and not run_dir.is_dir()) or run_dir.is_file():
+            return train(*args, **kwargs)
+        made = not run_dir.exists()
+        lock = RunLock(run_dir)
+        with reported(run_dir):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock.acquire()
+        try:
+            return train(*args, **kwargs)
+        finally:
+            lock.release()
+            if made:
+                with contextlib.suppress(OSError):
+                    run_dir.rmdir()  # only if empty
+
+    return locked

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 import blockscale.nn as bsnn
 from blockscale.models import moe_layers
 from blockscale.ops import EXACT_INDUCTOR_OPTIONS
-from blockscale.train import build, checkpoint, files, telemetry
+from blockscale.train import build, checkpoint, files, step_time, telemetry
 from blockscale.train.config import RESUMABLE, TrainConfig, differences
 from blockscale.train.data import Batches, load_corpus
 from blockscale.train.errors import UsageError
@@ -187,6 +187,7 @@ def check_run_dir(cfg: TrainConfig, run_dir: Path, resume: bool) -> None:
         )
 
 
+@files.one_writer  # one process writes a run folder: the others are refused (files.py)
 def train(
     cfg: TrainConfig,
     run_dir: Path,
@@ -238,7 +239,7 @@ class Trainer:
         self.cfg, self.run_dir, self.mode, self.device = cfg, run_dir, mode, device
         self.ranks = mode.ranks
         self.metrics = Metrics(run_dir / "metrics.jsonl", enabled=self.ranks.main)
-        corpus = load_corpus(cfg.data, cfg.max_data_bytes)
+        corpus = load_corpus(cfg.data, cfg.max_data_bytes, binary_ok=cfg.binary_data)
         self.model, self.recipe = build.build_model(cfg, device)
         mode.parallelize(self.model, self.recipe, cfg, device)
         self.val_data, self.seq_len = corpus.val, self.model.config.seq_len
@@ -339,6 +340,9 @@ class Trainer:
     def begin(self, progress: bool) -> None:
         """Open the progress bar, say what the run is, and probe a fresh run's initial weights."""
         cfg = self.cfg
+        if self.ranks.main:  # a step over a minute is said before the bar (step_time.py)
+            per_rank = self.tokens_per_step // self.ranks.data_ranks
+            step_time.say_if_slow(self.model, self.seq_len, per_rank, self.device)
         if progress and self.ranks.main and tqdm is not None:
             self.bar = tqdm(
                 total=cfg.steps,
