@@ -527,3 +527,34 @@ def test_kernel_path_keep_dq_holds_the_dq_operands_and_gives_the_same_bits(name,
     for mode in ("packed", "dq"):
         for i, (a, b) in enumerate(zip(runs["off"], runs[mode])):
             torch.testing.assert_close(a, b, atol=0, rtol=0, msg=f"{mode} result {i}")
+
+
+# ---------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8"])
+def test_gpu_training_with_the_cache_gives_the_uncached_bits(name, kind):
+    """The kernel path on CUDA: FP32 masters under BF16 autocast, fused AdamW (CUDA's
+    default), two steps of two micro-batches; packed and `keep_dq` caches against none."""
+    runs = {}
+    for cache in ("off", "packed", "dq"):
+        model = build(kind, RECIPES[name], cache, "fp32").cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-2, fused=True)
+        xs = [x.cuda() for x in inputs(4, "fp32")]
+        torch.manual_seed(7)
+        out = []
+        for step in range(2):
+            for x in xs[2 * step : 2 * step + 2]:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(x).float().square().mean()
+                loss.backward()
+                out.append(loss.detach())
+            out += [p.grad.clone() for p in model.parameters()]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        runs[cache] = out + [p.detach().clone() for p in model.parameters()]
+    for cache in ("packed", "dq"):
+        for i, (a, b) in enumerate(zip(runs["off"], runs[cache])):
+            torch.testing.assert_close(a, b, atol=0, rtol=0, msg=f"{cache} result {i}")

@@ -156,13 +156,14 @@ class GroupedMM(nn.Module):
     ) -> torch.Tensor:
         if not self.quantize_enabled:
             return torch._grouped_mm(input, weight_t, offs=offs, out_dtype=out_dtype)
+        cache = None if torch.compiler.is_compiling() else self.weight_cache
         return grouped_mm(
             input,
             weight_t,
             offs,
             self.recipe,
             out_dtype=out_dtype,
-            weight_cache=self.weight_cache,
+            weight_cache=cache,
             weight_source=weight_source,
         )
 

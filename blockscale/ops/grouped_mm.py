@@ -25,7 +25,8 @@ copy kept, each expert scaled with the forward copy's amax), under the same cond
 `linear` (`recomputes_weight`) except under torch.compile: otherwise, for a stochastic weight
 config, weights computed in the forward (models/moe.py's BF16 cast of FP32 experts) or a
 traced step, the forward's packed copy is saved. Nothing in high precision is kept beyond
-that reference.
+that reference. With a `weight_cache` (ops/weight_cache.py; every `GroupedMM` has one) the
+experts' copies are made once per optimizer step and reused, as for `linear`.
 
 Group sizes: any, 0 included. No size has to be a multiple of 16, 32 or 128: the token copies
 put each expert in a segment of its own padded with zero tokens (formats/grouped.py), exactly

@@ -37,7 +37,11 @@ say: saving it would keep it alive, at 2 bytes per value or more). `RECOMPUTE_WE
 saves the packed copy always. Beside the weight, which both keep, an NVFP4 layer saves about a
 quarter of what a BF16 layer saves (BF16's input). Compiled, AOTAutograd's partitioner picks
 what the backward graph keeps: with the weight a graph input, it takes the weight and
-quantizes it again there (tests/test_compile.py).
+quantizes it again there (tests/test_compile.py). With a `weight_cache`
+(ops/weight_cache.py; every `blockscale.nn.Linear` has one) the forward's copy and dgrad's are
+made once per optimizer step and taken from the cache by later forwards and backwards, with
+the same bits; the cache holds the packed copies (0.56 bytes a value for NVFP4) until the next
+optimizer step.
 
 Shared input: layers that read the same input tensor one after another (q/k/v projections,
 gate/up) quantize it once. The last forward's quantized input (both copies) is kept with a
