@@ -8,7 +8,14 @@ FP32 parameters under BF16 autocast, as training runs them; one step is the laye
 x [tokens, dim] plus a backward of a random gradient. `--compile` adds each recipe under plain
 `torch.compile(layer)`, timed after its first (compiling) call, whose time is reported too.
 
+Weight cache (ops/weight_cache.py): `--weight-cache off on dq` runs each quantized recipe once
+per mode in the same process (`on`: the default cache, packed copies; `dq`: with the `_dq`
+operands kept; `off`: every use quantizes). A step is `--micro-batches` forwards and
+backwards and then what an optimizer step does to the cache (it is cleared), so the cache
+saves what it would in training: the backward's and the later micro-batches' quantizations.
+
     python benchmarks/bench_moe_layer.py --json results/bench_moe_layer_h100.json
+    python benchmarks/bench_moe_layer.py --weight-cache off on dq --micro-batches 1 2
     python benchmarks/bench_moe_layer.py --quick            # CPU smoke test
 """
 
@@ -36,6 +43,14 @@ from blockscale.models.moe import MoE, MoEConfig  # noqa: E402
 LAYERS = [("deepseek-v3-like", 7168, 2048, 16, 4), ("mixtral-like", 4096, 14336, 8, 2)]
 QUICK_LAYERS = [("tiny", 64, 64, 4, 2)]
 RECIPES = ["bf16", "nvfp4", "nvfp4_fwd_mxfp8_bwd", "mxfp8"]
+CACHE_MODES = ["off", "on", "dq"]
+
+
+def set_cache(layer, mode: str) -> None:
+    if mode == "off":
+        bsnn.set_weight_cache(layer, False)
+    elif mode == "dq":
+        bsnn.set_weight_cache(layer, True, keep_dq=True)
 
 
 def layer_for(dim: int, hidden: int, experts: int, top_k: int, device) -> MoE:
@@ -55,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--compile", action="store_true", help="also each recipe compiled")
     parser.add_argument("--layers", nargs="+", default=None, choices=[name for name, *_ in LAYERS])
+    parser.add_argument("--weight-cache", nargs="+", default=["on"], choices=CACHE_MODES,
+                        help="weight cache modes to time each quantized recipe with")  # fmt: skip
+    parser.add_argument("--micro-batches", nargs="+", type=int, default=[1],
+                        help="forward+backward passes per step (grad accumulation)")  # fmt: skip
     args = parser.parse_args(argv)
     device = harness.pick_device(args.device)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
@@ -78,41 +97,51 @@ def main(argv: list[str] | None = None) -> int:
             device=device,
             dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
         )
-        for mode in ["eager", "compile"] if args.compile else ["eager"]:
-            for name in names:
-                layer = copy.deepcopy(base)
-                recipe = recipes.get(name)
-                if recipe.quantized:
-                    bsnn.convert(layer, recipe)
-                fn = torch.compile(layer) if mode == "compile" else layer
+        runs = [(mode, micro, name, cache)
+                for mode in (["eager", "compile"] if args.compile else ["eager"])
+                for micro in args.micro_batches
+                for name in names
+                for cache in (["-"] if name == "bf16" else args.weight_cache)]  # fmt: skip
+        for mode, micro, name, cache in runs:
+            layer = copy.deepcopy(base)
+            recipe = recipes.get(name)
+            if recipe.quantized:
+                bsnn.convert(layer, recipe)
+                set_cache(layer, cache)
+            fn = torch.compile(layer) if mode == "compile" else layer
 
-                def step(fn=fn, layer=layer, x=x, go=go):
-                    layer.zero_grad(set_to_none=True)
-                    x.grad = None
+            def step(fn=fn, layer=layer, x=x, go=go, micro=micro):
+                layer.zero_grad(set_to_none=True)
+                x.grad = None
+                for _ in range(micro):
                     with autocast():
                         out = fn(x)
                     out.backward(go)
+                bsnn.clear_weight_cache(layer)  # what an optimizer step does to it
 
-                t0 = time.perf_counter()
-                step()
-                harness.synchronize(device)
-                first = time.perf_counter() - t0
-                timing = harness.time_fn(step, warmup=args.warmup, reps=args.reps, device=device)
-                peak = harness.peak_memory(step, device)
-                rows.append({"layer": label, "tokens": tokens, "mode": mode, "recipe": name,
-                             "first_s": first, "ms": timing.median_ms,
-                             "peak_mib": None if peak is None else peak / 2**20})  # fmt: skip
-                print(f"  {label} {mode} {name}: {timing.median_ms:.3f} ms (first call {first:.1f} s)", flush=True)  # fmt: skip
-                del layer, fn
-                if mode == "compile":
-                    torch._dynamo.reset()
+            t0 = time.perf_counter()
+            step()
+            harness.synchronize(device)
+            first = time.perf_counter() - t0
+            timing = harness.time_fn(step, warmup=args.warmup, reps=args.reps, device=device)
+            peak = harness.peak_memory(step, device)
+            rows.append({"layer": label, "tokens": tokens, "mode": mode, "recipe": name,
+                         "weight_cache": cache, "micro_batches": micro,
+                         "first_s": first, "ms": timing.median_ms,
+                         "peak_mib": None if peak is None else peak / 2**20})  # fmt: skip
+            print(f"  {label} {mode} {name} cache={cache} x{micro}: {timing.median_ms:.3f} ms (first call {first:.1f} s)", flush=True)  # fmt: skip
+            del layer, fn
+            if mode == "compile":
+                torch._dynamo.reset()
     for r in rows:
-        base = next(q for q in rows if q["layer"] == r["layer"] and q["recipe"] == "bf16" and q["mode"] == r["mode"])  # fmt: skip
-        eager_bf16 = next(q for q in rows if q["layer"] == r["layer"] and q["recipe"] == "bf16" and q["mode"] == "eager")  # fmt: skip
+        same = [q for q in rows if q["layer"] == r["layer"] and q["recipe"] == "bf16" and q["micro_batches"] == r["micro_batches"]]  # fmt: skip
+        base = next(q for q in same if q["mode"] == r["mode"])
+        eager_bf16 = next(q for q in same if q["mode"] == "eager")
         r["time_vs_bf16"] = r["ms"] / base["ms"]
         r["vs_eager_bf16"] = r["ms"] / eager_bf16["ms"]
         r["mem_vs_bf16"] = None if r["peak_mib"] is None else r["peak_mib"] / base["peak_mib"]
-    harness.print_table(rows, ["layer", "tokens", "mode", "recipe", "first_s", "ms",
+    harness.print_table(rows, ["layer", "tokens", "mode", "recipe", "weight_cache",
+                               "micro_batches", "first_s", "ms",
                                "time_vs_bf16", "vs_eager_bf16", "peak_mib", "mem_vs_bf16"])  # fmt: skip
     if args.json:
         harness.write_json(args.json, {"benchmark": "moe_layer", "banner": info, "rows": rows,

@@ -566,7 +566,7 @@ def test_hf_compiled_routing_equals_eager(kind, monkeypatch):
     computes. aot_eager is Dynamo and AOTAutograd, where the routing happens; Inductor's
     numerics are test_compile.py's subject."""
 
-    def doubled(input, weight_t, offs, recipe, out_dtype=None):
+    def doubled(input, weight_t, offs, recipe, out_dtype=None, **weight_cache):
         return 2 * torch._grouped_mm(input, weight_t, offs=offs, out_dtype=out_dtype)
 
     monkeypatch.setattr(bs_experts, "grouped_mm", doubled)

@@ -10,7 +10,7 @@ from blockscale.nn.convert import (
     set_precision,
 )
 from blockscale.nn.experts import GroupedMM
-from blockscale.nn.linear import Linear
+from blockscale.nn.linear import Linear, clear_weight_cache, set_weight_cache
 
 __all__ = [
     "DEFAULT_BF16_NAMES",
@@ -18,7 +18,9 @@ __all__ = [
     "LayerPolicy",
     "Linear",
     "PrecisionSchedule",
+    "clear_weight_cache",
     "convert",
     "layer_policy",
     "set_precision",
+    "set_weight_cache",
 ]

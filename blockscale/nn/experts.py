@@ -77,12 +77,39 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from blockscale.ops.grouped_mm import grouped_mm
+from blockscale.ops.weight_cache import WeightCache
 from blockscale.recipes import Recipe, require_recipe
 
 # F.grouped_mm does not consult torch-function handlers today (its torch._grouped_mm call does);
 # should it start to, the router must catch it first, since the inner call then runs with the
 # mode off.
 GROUPED_MM_FUNCTIONS = (torch._grouped_mm, F.grouped_mm)
+
+# Ops whose result is a function of their tensor argument's values alone (a layout change or
+# a cast), so the result of a chain of them is known by the parameter it starts from and its
+# own dtype and layout: what the weight cache keys an expert weight's copies by (GroupedMM's
+# `weight_source`). A weight reached through any other op is quantized at each use.
+_LAYOUT_AND_DTYPE_OPS = frozenset(
+    {
+        torch.Tensor.to,
+        torch.Tensor.bfloat16,
+        torch.Tensor.float,
+        torch.Tensor.half,
+        torch.Tensor.type,
+        torch.Tensor.contiguous,
+        torch.Tensor.detach,
+        torch.Tensor.transpose,
+        torch.transpose,
+        torch.Tensor.swapaxes,
+        torch.swapaxes,
+        torch.Tensor.permute,
+        torch.permute,
+        torch.Tensor.view,
+        torch.Tensor.reshape,
+        torch.reshape,
+        torch.Tensor.mT.__get__,
+    }
+)
 
 # torch.nn's own modules whose weights are 3D for another reason than experts.
 _NOT_EXPERTS = (nn.Conv1d, nn.ConvTranspose1d, nn.Bilinear)
@@ -93,6 +120,8 @@ class GroupedMM(nn.Module):
 
     forward(input [M, K], weight_t [E, K, N], offs int32 [E]) -> [M, N]. With
     `quantize_enabled` False it is exactly `torch._grouped_mm(input, weight_t, offs=offs)`.
+    `weight_cache` keeps the experts' quantized copies while they are unchanged (as on
+    `Linear`; the router passes the parameter the weight came from as `weight_source`).
 
     >>> gmm = bs.nn.GroupedMM(bs.recipes.get("mxfp8"))
     >>> x, w_t = torch.randn(64, 32), torch.randn(2, 32, 64)
@@ -102,8 +131,10 @@ class GroupedMM(nn.Module):
 
     def __init__(self, recipe: Recipe) -> None:
         super().__init__()
+        self.weight_cache: WeightCache | None = WeightCache()
         self.recipe = recipe
         self.quantize_enabled = True
+        self.register_load_state_dict_post_hook(_clear_after_load)
 
     @property
     def recipe(self) -> Recipe:
@@ -113,6 +144,8 @@ class GroupedMM(nn.Module):
     def recipe(self, recipe: Recipe) -> None:
         require_recipe(recipe)
         self._recipe = recipe
+        if self.weight_cache is not None:
+            self.weight_cache.clear()
         # What compiled experts guard on (a str: Dynamo can neither hash a frozen dataclass
         # nor pass one into a nonstrict_trace call); repr names every field.
         self.recipe_key = repr(recipe)
@@ -123,14 +156,30 @@ class GroupedMM(nn.Module):
         weight_t: torch.Tensor,
         offs: torch.Tensor,
         out_dtype: torch.dtype | None = None,
+        *,
+        weight_source: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not self.quantize_enabled:
             return torch._grouped_mm(input, weight_t, offs=offs, out_dtype=out_dtype)
-        return grouped_mm(input, weight_t, offs, self.recipe, out_dtype=out_dtype)
+        cache = None if torch.compiler.is_compiling() else self.weight_cache
+        return grouped_mm(
+            input,
+            weight_t,
+            offs,
+            self.recipe,
+            out_dtype=out_dtype,
+            weight_cache=cache,
+            weight_source=weight_source,
+        )
 
     def extra_repr(self) -> str:
         state = "" if self.quantize_enabled else ", quantize_enabled=False"
         return f"recipe={self.recipe.name}{state}"
+
+
+def _clear_after_load(module: nn.Module, incompatible_keys: object) -> None:
+    if module.weight_cache is not None:
+        module.weight_cache.clear()
 
 
 def experts_weights(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -325,21 +374,23 @@ class _GroupedMMRouter(TorchFunctionMode):
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.grouped_mms = module.grouped_mms
-        # id -> (parameter name, weak reference): the converted parameters and every 3D tensor
-        # computed from one in this forward. Weak, so a transient cast copy is freed as usual.
-        self.sources: dict[int, tuple[str, weakref.ref]] = {}
+        # id -> (parameter name, weak reference, the parameter if only layout and dtype ops
+        # led here, else None): the converted parameters and every 3D tensor computed from one
+        # in this forward. Weak, so a transient cast copy is freed as usual.
+        self.sources: dict[int, tuple[str, weakref.ref, torch.Tensor | None]] = {}
         for name in self.grouped_mms:
-            self._track(getattr(module, name), name)
+            param = getattr(module, name)
+            self._track(param, name, param)
         self.routed: set[str] = set()
 
-    def _track(self, tensor: torch.Tensor, name: str) -> None:
-        self.sources[id(tensor)] = (name, weakref.ref(tensor))
+    def _track(self, tensor: torch.Tensor, name: str, param: torch.Tensor | None) -> None:
+        self.sources[id(tensor)] = (name, weakref.ref(tensor), param)
 
-    def _source(self, obj: Any) -> str | None:
+    def _source(self, obj: Any) -> tuple[str, torch.Tensor | None] | None:
         entry = self.sources.get(id(obj))
         if entry is None or entry[1]() is not obj:
             return None
-        return entry[0]
+        return entry[0], entry[2]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -347,16 +398,18 @@ class _GroupedMMRouter(TorchFunctionMode):
             return self._grouped_mm(func, args, kwargs)
         out = func(*args, **kwargs)
         if args and isinstance(out, torch.Tensor) and out.dim() == 3:
-            name = self._source(args[0])
-            if name is not None:
-                self._track(out, name)
+            source = self._source(args[0])
+            if source is not None:
+                name, param = source
+                self._track(out, name, param if func in _LAYOUT_AND_DTYPE_OPS else None)
         return out
 
     def _grouped_mm(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
         input, weight_t, offs, bias, out_dtype = _grouped_mm_args(*args, **kwargs)
-        name = self._source(weight_t)
-        if name is None:
+        source = self._source(weight_t)
+        if source is None:
             return func(*args, **kwargs)
+        name, param = source
         if input.dim() != 2 or offs is None or bias is not None:
             raise ValueError(
                 f"grouped_mm on the converted expert weight {name!r} must be input [M, K] @ "
@@ -366,5 +419,7 @@ class _GroupedMMRouter(TorchFunctionMode):
             )
         self.routed.add(name)
         if out_dtype is None:
-            return self.grouped_mms[name](input, weight_t, offs)
-        return self.grouped_mms[name](input, weight_t, offs, out_dtype=out_dtype)
+            return self.grouped_mms[name](input, weight_t, offs, weight_source=param)
+        return self.grouped_mms[name](
+            input, weight_t, offs, out_dtype=out_dtype, weight_source=param
+        )

@@ -14,6 +14,13 @@ Python per layer (the bulk of a converted model's extra compile time). The recip
 a `RecipeConstant`, kept beside it; assigning `recipe` replaces both, and a compiled model
 then recompiles. A weight that is a tensor subclass (FSDP2's quantized all-gather, NVFP4
 primary weights) is traced by Dynamo as before.
+
+Weight cache (ops/weight_cache.py): each layer keeps its weight's quantized copies in
+`weight_cache` from the first use after the weight changes to the next optimizer step, so
+micro-batches and the backward reuse them (eager only; compiled graphs quantize as before).
+`set_weight_cache(model, False)` turns it off (`weight_cache = None`), `keep_dq=True` keeps
+the `_dq` operands too; `clear_weight_cache(model)` drops what is held (after a weight change
+the cache cannot see: module docstring there). `load_state_dict` and a new `recipe` clear it.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockscale.ops.linear import RecipeConstant, compiled_linear, linear
+from blockscale.ops.weight_cache import WeightCache
 from blockscale.recipes import Recipe, require_recipe
 
 
@@ -45,8 +53,10 @@ class Linear(nn.Linear):
         recipe: Recipe,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.weight_cache: WeightCache | None = WeightCache()
         self.recipe = recipe
         self.quantize_enabled = True
+        self.register_load_state_dict_post_hook(_clear_after_load)
 
     @property
     def recipe(self) -> Recipe:
@@ -57,6 +67,8 @@ class Linear(nn.Linear):
         require_recipe(recipe)
         self._recipe = recipe
         self._recipe_constant = RecipeConstant.of(recipe)
+        if self.weight_cache is not None:
+            self.weight_cache.clear()
 
     @classmethod
     def from_float(cls, module: nn.Linear, recipe: Recipe) -> Linear:
@@ -78,11 +90,43 @@ class Linear(nn.Linear):
         if torch.compiler.is_dynamo_compiling() and _plain(input) and _plain(self.weight):
             bias = () if self.bias is None else (self.bias,)
             return compiled_linear(self._recipe_constant, input, self.weight, *bias)
-        return linear(input, self.weight, self.bias, self.recipe)
+        cache = None if torch.compiler.is_compiling() else self.weight_cache
+        return linear(input, self.weight, self.bias, self.recipe, weight_cache=cache)
 
     def extra_repr(self) -> str:
         state = "" if self.quantize_enabled else ", quantize_enabled=False"
         return f"{super().extra_repr()}, recipe={self.recipe.name}{state}"
+
+
+def _clear_after_load(module: nn.Module, incompatible_keys: object) -> None:
+    if module.weight_cache is not None:
+        module.weight_cache.clear()
+
+
+def set_weight_cache(model: nn.Module, enabled: bool, keep_dq: bool = False) -> int:
+    """Give every converted linear and expert weight of `model` a new, empty weight cache
+    (`keep_dq`: it keeps the `_dq` operands too), or none (enabled=False: each use quantizes
+    the weight again). Returns how many modules were set."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "weight_cache"):
+            module.weight_cache = WeightCache(keep_dq) if enabled else None
+            count += 1
+    return count
+
+
+def clear_weight_cache(model: nn.Module) -> int:
+    """Drop the quantized copies every weight cache in `model` holds (needed only after a
+    weight change that neither an optimizer step, `load_state_dict` nor the version counter
+    shows: a write through `p.data`, or a checkpoint loaded into an FSDP2 model's shards
+    without `load_state_dict`). Returns how many caches were cleared."""
+    count = 0
+    for module in model.modules():
+        cache = getattr(module, "weight_cache", None)
+        if isinstance(cache, WeightCache):
+            cache.clear()
+            count += 1
+    return count
 
 
 def _plain(t: torch.Tensor) -> bool:

@@ -25,7 +25,8 @@ copy kept, each expert scaled with the forward copy's amax), under the same cond
 `linear` (`recomputes_weight`) except under torch.compile: otherwise, for a stochastic weight
 config, weights computed in the forward (models/moe.py's BF16 cast of FP32 experts) or a
 traced step, the forward's packed copy is saved. Nothing in high precision is kept beyond
-that reference.
+that reference. With a `weight_cache` (ops/weight_cache.py; every `GroupedMM` has one) the
+experts' copies are made once per optimizer step and reused, as for `linear`.
 
 Group sizes: any, 0 included. No size has to be a multiple of 16, 32 or 128: the token copies
 put each expert in a segment of its own padded with zero tokens (formats/grouped.py), exactly
@@ -61,14 +62,22 @@ from blockscale.gemm.grouped import (
     grouped_mm_tokens,
     resolve_grouped_backend,
 )
-from blockscale.ops.linear import dgrad_amax, output_dtype, recomputes_weight
+from blockscale.ops.linear import (
+    cached_dgrad_weight,
+    cached_weight,
+    dgrad_amax,
+    output_dtype,
+    recomputes_weight,
+)
 from blockscale.ops.linear import unsupported_reason as linear_unsupported_reason
 from blockscale.ops.quantize import (
+    QuantizedOperand,
     load_operand,
     quantize_experts,
     quantize_grouped,
     save_operand,
 )
+from blockscale.ops.weight_cache import Stamp, WeightCache
 from blockscale.recipes import Recipe, require_recipe
 
 
@@ -126,18 +135,26 @@ def check_grouped_inputs(input: torch.Tensor, weight_t: torch.Tensor, offs: torc
 
 
 def _dgrad_weight(
-    weight_t: torch.Tensor, recipe: Recipe, shared: bool, amax: torch.Tensor | None
+    weight_t: torch.Tensor,
+    recipe: Recipe,
+    shared: bool,
+    amax: torch.Tensor | None,
+    cache: WeightCache | None = None,
+    stamp: Stamp | None = None,
 ) -> Operand:
     """grad_input's expert-weight operand rebuilt in the backward, with its `_dq`: the 16x16
     forward copy again, transposed, when `shared`, else the copy along N; the same bits as
     the forward's (round-to-nearest, each expert scaled with the forward copy's amax, `amax`;
-    None for MXFP8, which has none)."""
+    None for MXFP8, which has none). With a `cache`, the copy the forward's `stamp` left
+    there, or a new one kept there."""
     weight = weight_t.transpose(-2, -1)
-    if shared:
-        w_lp = quantize_experts(weight, recipe.output.weight, dq=True, amax=amax)
-        return TransposedExperts(w_lp)  # type: ignore[arg-type]
-    cfg = recipe.grad_input.weight
-    return quantize_experts(weight, cfg, transpose=True, dq=True, amax=amax)
+    cfg = recipe.output.weight if shared else recipe.grad_input.weight
+
+    def make(dq: bool) -> QuantizedOperand:
+        return quantize_experts(weight, cfg, transpose=not shared, dq=dq, amax=amax)
+
+    w_lp = cached_weight(cache, stamp, make, cfg, not shared, dq=True, renew=False)
+    return TransposedExperts(w_lp) if shared else w_lp  # type: ignore[arg-type,return-value]
 
 
 class _GroupedMM(torch.autograd.Function):
@@ -150,13 +167,20 @@ class _GroupedMM(torch.autograd.Function):
         recipe: Recipe,
         backend: Backend,
         out_dtype: torch.dtype,
+        cache: WeightCache | None,
+        stamp: Stamp | None,
     ) -> torch.Tensor:
         weight = weight_t.transpose(-2, -1)  # [E, N, K], usually the parameter itself
         layout = token_layout(offs, input.shape[0])
         with torch.autocast(input.device.type, enabled=False):
             wgrad_cfg = recipe.grad_weight.input_t if ctx.needs_input_grad[1] else None
             x_lp, x_t = quantize_grouped(input, offs, layout, recipe.output.input, wgrad_cfg)
-            w_lp = quantize_experts(weight, recipe.output.weight, dq=True)
+            w_cfg = recipe.output.weight
+
+            def make_w(dq: bool) -> QuantizedOperand:
+                return quantize_experts(weight, w_cfg, dq=dq)
+
+            w_lp = cached_weight(cache, stamp, make_w, w_cfg, False, dq=True)
             out = grouped_mm_rows(x_lp, w_lp, offs, out_dtype, backend)
             dgrad_cfg = recipe.grad_input.weight
             ctx.shared = dgrad_cfg.block == "16x16" and dgrad_cfg == recipe.output.weight
@@ -169,12 +193,17 @@ class _GroupedMM(torch.autograd.Function):
                 amax = dgrad_amax(dgrad_cfg, w_lp)
                 w_tensors = [weight_t] if amax is None else [weight_t, amax]
             elif ctx.needs_input_grad[0]:
+
+                def make_t(dq: bool) -> QuantizedOperand:
+                    return quantize_experts(weight, dgrad_cfg, transpose=True, dq=dq)
+
                 weight_for_dgrad = (
-                    TransposedExperts(w_lp)
+                    TransposedExperts(w_lp)  # type: ignore[arg-type]
                     if ctx.shared
-                    else quantize_experts(weight, dgrad_cfg, transpose=True)
+                    else cached_weight(cache, stamp, make_t, dgrad_cfg, True, dq=False)
                 )
                 w_tensors, ctx.weight_meta = save_operand(weight_for_dgrad)
+            ctx.cache, ctx.stamp = cache, stamp
 
         x_tensors, ctx.input_meta = save_operand(x_t)
         ctx.n_weight_tensors = len(w_tensors)
@@ -204,9 +233,15 @@ class _GroupedMM(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 if ctx.recompute:
                     amax = saved[1] if n == 2 else None
-                    weight_t = _dgrad_weight(saved[0], recipe, ctx.shared, amax)
+                    weight_t = _dgrad_weight(
+                        saved[0], recipe, ctx.shared, amax, ctx.cache, ctx.stamp
+                    )
                 else:
-                    weight_t = load_operand(saved[:n], ctx.weight_meta)
+                    weight_t = cached_dgrad_weight(ctx.cache, ctx.stamp, recipe, ctx.shared)
+                    if weight_t is None:
+                        weight_t = load_operand(saved[:n], ctx.weight_meta)
+                    elif ctx.shared:
+                        weight_t = TransposedExperts(weight_t)  # type: ignore[arg-type]
                 grad_input = grouped_mm_rows(go_lp, weight_t, offs, ctx.input_dtype, ctx.backend)
                 del go_lp, weight_t
             if ctx.needs_input_grad[1]:
@@ -216,7 +251,7 @@ class _GroupedMM(torch.autograd.Function):
                     go_t, input_t, offs, seg_ends, block, ctx.weight_dtype, ctx.backend
                 )
                 grad_weight_t = grad_weight.transpose(-2, -1)
-        return grad_input, grad_weight_t, None, None, None, None
+        return grad_input, grad_weight_t, None, None, None, None, None, None
 
 
 def grouped_mm(
@@ -225,11 +260,20 @@ def grouped_mm(
     offs: torch.Tensor,
     recipe: Recipe,
     out_dtype: torch.dtype | None = None,
+    *,
+    weight_cache: WeightCache | None = None,
+    weight_source: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[rows of expert e] = input[rows of e] @ weight_t[e], the three GEMMs quantized as
     `recipe` says (module docstring). input [M, K], weight_t [E, K, N], offs int32 [E]
     cumulative end rows (offs[-1] <= M; rows past it give zeros). Raises ValueError when the
     shapes, dtypes or devices do not fit, or K or N does not fit the recipe's blocks.
+
+    `weight_cache`: where the experts' quantized copies are kept from one use to the next
+    while the weights are unchanged (ops/weight_cache.py; the same bits as without it).
+    `weight_source`: the parameter weight_t was computed from by layout and dtype ops only
+    (a transpose, a cast), which the cache then keys the copies by; None: weight_t is the
+    parameter or a view of it, or the cache does not apply.
 
     >>> x, w_t = torch.randn(64, 32), torch.randn(2, 32, 16)  # experts 0 and 1: 32 rows each
     >>> offs = torch.tensor([32, 64], dtype=torch.int32)
@@ -248,4 +292,7 @@ def grouped_mm(
         return torch._grouped_mm(input, weight_t.to(input.dtype), offs=offs).to(dtype)
     backend = resolve_grouped_backend(recipe.backend, input.device)
     dtype = out_dtype if out_dtype is not None else output_dtype(input)
-    return _GroupedMM.apply(input, weight_t, offs, recipe, backend, dtype)
+    # Stamped here, not in the Function: `weight_source` must not become an autograd input.
+    stamp = None if weight_cache is None else weight_cache.stamp(weight_t, weight_source)
+    cache = None if stamp is None else weight_cache
+    return _GroupedMM.apply(input, weight_t, offs, recipe, backend, dtype, cache, stamp)

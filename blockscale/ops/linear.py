@@ -37,7 +37,11 @@ say: saving it would keep it alive, at 2 bytes per value or more). `RECOMPUTE_WE
 saves the packed copy always. Beside the weight, which both keep, an NVFP4 layer saves about a
 quarter of what a BF16 layer saves (BF16's input). Compiled, AOTAutograd's partitioner picks
 what the backward graph keeps: with the weight a graph input, it takes the weight and
-quantizes it again there (tests/test_compile.py).
+quantizes it again there (tests/test_compile.py). With a `weight_cache`
+(ops/weight_cache.py; every `blockscale.nn.Linear` has one) the forward's copy and dgrad's are
+made once per optimizer step and taken from the cache by later forwards and backwards, with
+the same bits; the cache holds the packed copies (0.56 bytes a value for NVFP4) until the next
+optimizer step.
 
 Shared input: layers that read the same input tensor one after another (q/k/v projections,
 gate/up) quantize it once. The last forward's quantized input (both copies) is kept with a
@@ -120,6 +124,7 @@ from blockscale.ops.quantize import (
     rows_and_tokens_amax,
     save_operand,
 )
+from blockscale.ops.weight_cache import Stamp, WeightCache
 from blockscale.recipes import Format, OperandConfig, Recipe, Rounding, require_recipe
 
 Operand = QuantizedOperand | Transposed
@@ -228,16 +233,62 @@ def recomputes_weight(
     return base.grad_fn is None
 
 
+def cached_weight(
+    cache: WeightCache | None,
+    stamp: Stamp | None,
+    make: Callable[[bool], QuantizedOperand],
+    config: OperandConfig,
+    transpose: bool,
+    dq: bool,
+    renew: bool = True,
+) -> QuantizedOperand:
+    """The weight's copy per `config` (along N with `transpose`): from `cache` where it holds
+    one made under `stamp`, else `make(dq)`, kept there (`renew`: see `WeightCache.fetch`).
+    Round-to-nearest copies only: a stochastic one draws new bits at each use
+    (ops/weight_cache.py)."""
+    if cache is None or config.rounding is not Rounding.NEAREST:
+        return make(dq)
+    return cache.fetch(stamp, (config, transpose), make, dq, renew)
+
+
+def cached_dgrad_weight(
+    cache: WeightCache | None, stamp: Stamp | None, recipe: Recipe, shared: bool
+) -> QuantizedOperand | None:
+    """dgrad's weight copy as the cache holds it under the forward's `stamp` (the 16x16
+    forward copy when `shared`, else the copy along N), or None."""
+    if cache is None:
+        return None
+    if shared:
+        return cache.get(stamp, (recipe.output.weight, False))
+    return cache.get(stamp, (recipe.grad_input.weight, True))
+
+
 def _dgrad_weight(
-    weight: torch.Tensor, recipe: Recipe, shared: bool, amax: torch.Tensor | None
+    weight: torch.Tensor,
+    recipe: Recipe,
+    shared: bool,
+    amax: torch.Tensor | None,
+    cache: WeightCache | None = None,
+    stamp: Stamp | None = None,
 ) -> Operand:
     """dgrad's weight operand rebuilt in the backward, with its `_dq` (it feeds the GEMM now):
     the 16x16 forward copy again, transposed, when `shared`, else the copy along N. `amax`:
-    the forward's (the same bits as the forward's copy), None where the format has none."""
+    the forward's (the same bits as the forward's copy), None where the format has none.
+    With a `cache`, the copy the forward's `stamp` left there, or a new one kept there."""
     if shared:
-        w_lp = weight_operand(weight, recipe.output.weight, dq=True, amax=amax)
+        config = recipe.output.weight
+
+        def make(dq: bool) -> QuantizedOperand:
+            return weight_operand(weight, config, dq=dq, amax=amax)
+
+        w_lp = cached_weight(cache, stamp, make, config, False, dq=True, renew=False)
         return Transposed(w_lp)  # type: ignore[arg-type]
-    return weight_operand(weight, recipe.grad_input.weight, transpose=True, dq=True, amax=amax)
+    config = recipe.grad_input.weight
+
+    def make_t(dq: bool) -> QuantizedOperand:
+        return weight_operand(weight, config, transpose=True, dq=dq, amax=amax)
+
+    return cached_weight(cache, stamp, make_t, config, True, dq=True, renew=False)
 
 
 @dataclass(frozen=True)
@@ -375,6 +426,8 @@ class _Linear(torch.autograd.Function):
         backend: Backend,
         out_dtype: torch.dtype,
         sharded: AmaxReduction | None,
+        cache: WeightCache | None,
+        stamp: Stamp | None,
     ) -> torch.Tensor:
         lead, k = input.shape[:-1], input.shape[-1]
         x = input.reshape(-1, k)
@@ -398,7 +451,12 @@ class _Linear(torch.autograd.Function):
             x_lp, input_t = _quantized_input(
                 input, x, recipe.output.input, wgrad_cfg, x_amax, tokens_amax
             )
-            w_lp = weight_operand(weight, recipe.output.weight, dq=True, amax=w_amax)
+            w_cfg = recipe.output.weight
+
+            def make_w(dq: bool) -> QuantizedOperand:
+                return weight_operand(weight, w_cfg, dq=dq, amax=w_amax)
+
+            w_lp = cached_weight(cache, stamp, make_w, w_cfg, False, dq=True)
             out = _mm(x_lp, w_lp, out_dtype, out_dtype, backend, bias)
 
             # What dgrad's weight operand is rebuilt from in the backward (the weight itself and
@@ -410,12 +468,17 @@ class _Linear(torch.autograd.Function):
                 amax = dgrad_amax(dgrad_cfg, w_lp, w_amax)
                 w_tensors = [weight] if amax is None else [weight, amax]
             elif ctx.needs_input_grad[0]:
+
+                def make_t(dq: bool) -> QuantizedOperand:
+                    return weight_operand(weight, dgrad_cfg, transpose=True, dq=dq, amax=w_amax)
+
                 weight_for_dgrad = (
-                    weight_operand(weight, dgrad_cfg, transpose=True, amax=w_amax)
+                    cached_weight(cache, stamp, make_t, dgrad_cfg, True, dq=False)
                     if dgrad_copy
                     else Transposed(w_lp)  # type: ignore[arg-type]
                 )
                 w_tensors, ctx.weight_meta = save_operand(weight_for_dgrad)
+            ctx.cache, ctx.stamp = cache, stamp
 
         x_tensors, ctx.input_meta = save_operand(input_t)
         ctx.n_weight_tensors = len(w_tensors)
@@ -449,9 +512,14 @@ class _Linear(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 if ctx.recompute:
                     weight, *amax = saved[:n]
-                    weight_t = _dgrad_weight(weight, recipe, ctx.shared, amax[0] if amax else None)
+                    amax = amax[0] if amax else None
+                    weight_t = _dgrad_weight(weight, recipe, ctx.shared, amax, ctx.cache, ctx.stamp)
                 else:
-                    weight_t = load_operand(saved[:n], ctx.weight_meta)
+                    weight_t = cached_dgrad_weight(ctx.cache, ctx.stamp, recipe, ctx.shared)
+                    if weight_t is None:
+                        weight_t = load_operand(saved[:n], ctx.weight_meta)
+                    elif ctx.shared:
+                        weight_t = Transposed(weight_t)  # type: ignore[arg-type]
                 grad_input = _mm(go_lp, weight_t, ctx.input_dtype, ctx.compute_dtype, ctx.backend)
                 grad_input = grad_input.reshape(ctx.input_shape)
                 # Release grad_output's `_dq` operand and the weight's before grad_weight
@@ -462,7 +530,7 @@ class _Linear(torch.autograd.Function):
                 grad_weight = _mm(go_t, input_t, ctx.weight_dtype, ctx.compute_dtype, ctx.backend)
             if ctx.needs_input_grad[2]:
                 grad_bias = go.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -487,6 +555,7 @@ def linear(
     recipe: Recipe,
     *,
     amax_reduction: AmaxReduction | None = None,
+    weight_cache: WeightCache | None = None,
 ) -> torch.Tensor:
     """input @ weight.T + bias with the three GEMMs quantized as `recipe` says.
 
@@ -494,6 +563,9 @@ def linear(
     exactly `F.linear`. Raises ValueError when K or N does not fit the recipe's blocks.
     `amax_reduction`: input, weight or grad_output are shards of whole tensors (tensor
     parallel; see `AmaxReduction`); None: every operand is whole.
+    `weight_cache`: where the weight's quantized copies are kept from one use to the next
+    while the weight is unchanged (ops/weight_cache.py; the same bits as without it); None
+    quantizes the weight at each use.
 
     >>> x, w = torch.randn(4, 64), torch.randn(32, 64)
     >>> bs.linear(x, w, None, bs.recipes.get("nvfp4")).shape
@@ -523,7 +595,14 @@ def linear(
     if input.is_meta or weight.is_meta:
         return meta_output(F.linear(input, weight.to(input.dtype), None), bias, input)
     backend = resolve_backend(recipe.backend, input.device)
-    return _Linear.apply(input, weight, bias, recipe, backend, output_dtype(input), amax_reduction)
+    # A weight shard's amax is reduced over ranks in each forward: not cached.
+    stamp = None
+    if weight_cache is not None and not (amax_reduction is not None and amax_reduction.weight):
+        stamp = weight_cache.stamp(weight)
+    cache = None if stamp is None else weight_cache
+    return _Linear.apply(
+        input, weight, bias, recipe, backend, output_dtype(input), amax_reduction, cache, stamp
+    )
 
 
 def meta_output(output: torch.Tensor, bias: torch.Tensor | None, input: torch.Tensor):
