@@ -39,8 +39,9 @@ cross-entropy, backward, clipping at 1.0, fused AdamW. "compile" is plain
   shared process's peak is kept as peak_gib_shared either way;
 - status: ok, or why the row has no figures (compile_timeout, oom, error: ...).
 
-One device call of 10 minutes fits one model (both modes, bf16/nvfp4/mxfp8 and their memory
-processes); split larger runs with --models, --eager / --compile:
+Sized for one model per 10-minute device call (both modes, bf16 / nvfp4 / mxfp8 and six memory
+processes; not yet timed on a GPU): split with --models, and --eager / --compile if a model
+does not fit. Every row is written to --out as it finishes, so a run cut short keeps its rows.
 
     python benchmarks/bench_moe_model.py --models qwen3-30b-a3b \\
         --out docs/results/bench_moe_model_qwen3_h100.json
@@ -261,7 +262,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="peak memory from a process per recipe (the default), the shared "
                              "process, or not at all (the default with --smoke)")  # fmt: skip
     parser.add_argument("--memory-steps", type=int, default=2, help="timed steps per process")
-    parser.add_argument("--memory-timeout", type=float, default=420.0, help="s per process")
+    parser.add_argument("--memory-timeout", type=float, default=300.0, help="s per process")
     parser.add_argument("--device", default=None)
     parser.add_argument("--smoke", action="store_true",
                         help="CPU smoke test: the tiny models (unless --models), batch 2, "

@@ -762,6 +762,7 @@ def test_gpu_hf_compiled_with_fp32_masters_under_autocast_tracks_eager(backend, 
     def run(compiled: bool, quantized: bool = True):
         torch._dynamo.reset()
         model = hf_model("qwen3_moe").cuda()
+        model.config._attn_implementation = "eager"  # see test_hf_compiled_routing_equals_eager
         bsnn.convert(model, RECIPE, module_filter_fn=bsnn.layer_policy(model, 0.0))
         bsnn.set_precision(model, quantized)
         fn = torch.compile(model, fullgraph=True, backend=backend) if compiled else model

@@ -440,48 +440,50 @@ def _high_precision_grouped_mm(
 ) -> torch.Tensor:
     """One opaque op whose forward and backward run eager's `torch._grouped_mm` calls, in any
     dtype, so compiled gives eager's bits."""
-    return _high_precision_ops()[0](input, weight_t, offs, out_dtype)
+    return _high_precision_forward(input, weight_t, offs, out_dtype)
 
 
-@functools.cache
-def _high_precision_ops() -> tuple[Any, Any]:
-    """The ops behind `_high_precision_grouped_mm`, registered at its first call."""
-    from torch.library import custom_op
+@torch.library.custom_op("blockscale::grouped_mm_high_precision", mutates_args=())
+def _high_precision_forward(
+    input: torch.Tensor,
+    weight_t: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    return torch._grouped_mm(input, weight_t, offs=offs, out_dtype=out_dtype)
 
-    @custom_op("blockscale::grouped_mm_high_precision", mutates_args=())
-    def forward(
-        input: torch.Tensor,
-        weight_t: torch.Tensor,
-        offs: torch.Tensor,
-        out_dtype: torch.dtype | None = None,
-    ) -> torch.Tensor:
-        return torch._grouped_mm(input, weight_t, offs=offs, out_dtype=out_dtype)
 
-    @forward.register_fake
-    def _(input, weight_t, offs, out_dtype=None):
-        return input.new_empty(input.shape[0], weight_t.shape[-1], dtype=out_dtype or input.dtype)
+@_high_precision_forward.register_fake
+def _(input, weight_t, offs, out_dtype=None):
+    return input.new_empty(input.shape[0], weight_t.shape[-1], dtype=out_dtype or input.dtype)
 
-    @custom_op("blockscale::grouped_mm_high_precision_backward", mutates_args=())
-    def backward(
-        input: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor, grad_output: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # what autograd runs for torch._grouped_mm (the same bits: tested against it)
-        grad_output = grad_output.to(input.dtype)
-        grad_input = torch._grouped_mm(grad_output, weight_t.transpose(-2, -1), offs=offs)
-        return grad_input, torch._grouped_mm(input.t(), grad_output, offs=offs)
 
-    @backward.register_fake
-    def _(input, weight_t, offs, grad_output):
-        return torch.empty_like(input), weight_t.new_empty(weight_t.shape)
+@torch.library.custom_op("blockscale::grouped_mm_high_precision_backward", mutates_args=())
+def _high_precision_backward(
+    input: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor, grad_output: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # what autograd runs for torch._grouped_mm (the same bits: tested against it)
+    grad_output = grad_output.to(input.dtype)
+    grad_input = torch._grouped_mm(grad_output, weight_t.transpose(-2, -1), offs=offs)
+    return grad_input, torch._grouped_mm(input.t(), grad_output, offs=offs)
 
-    def setup_context(ctx, inputs, output):
-        input, weight_t, offs, _ = inputs
-        ctx.save_for_backward(input, weight_t, offs)
 
-    def grads(ctx, grad_output):
-        input, weight_t, offs = ctx.saved_tensors
-        grad_input, grad_weight_t = backward(input, weight_t, offs, grad_output)
-        return grad_input, grad_weight_t, None, None
+@_high_precision_backward.register_fake
+def _(input, weight_t, offs, grad_output):
+    return torch.empty_like(input), weight_t.new_empty(weight_t.shape)
 
-    forward.register_autograd(grads, setup_context=setup_context)
-    return forward, backward
+
+def _high_precision_setup_context(ctx, inputs, output):
+    input, weight_t, offs, _ = inputs
+    ctx.save_for_backward(input, weight_t, offs)
+
+
+def _high_precision_grads(ctx, grad_output):
+    input, weight_t, offs = ctx.saved_tensors
+    grad_input, grad_weight_t = _high_precision_backward(input, weight_t, offs, grad_output)
+    return grad_input, grad_weight_t, None, None
+
+
+_high_precision_forward.register_autograd(
+    _high_precision_grads, setup_context=_high_precision_setup_context
+)
