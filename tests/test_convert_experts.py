@@ -446,6 +446,34 @@ def router_of(block):
     return block.router if hasattr(block, "router") else block.gate  # GPT-OSS: router
 
 
+def test_transformers_fallback_op_is_routed_with_the_input_cast():
+    """transformers' experts call their own op `transformers::grouped_mm_fallback` instead of
+    grouped_mm under torch.compile for non-BF16 weights, and some releases pass it the input
+    uncast (BF16 under autocast, with FP32 masters). Called eagerly here, through the op packet
+    and an overload: the router sends it to GroupedMM as transformers' grouped_mm path would
+    make the call, the input cast to the weight's dtype."""
+    pytest.importorskip("transformers")
+    import transformers.integrations.moe  # noqa: F401 (registers the op)
+
+    class FallbackExperts(Experts):
+        def forward(self, x_sorted, offs):
+            fallback = torch.ops.transformers.grouped_mm_fallback
+            h = fallback(x_sorted, self.gate_up_proj.transpose(-2, -1), offs=offs)
+            gate, up = h.chunk(2, dim=-1)
+            return fallback.default(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs)
+
+    torch.manual_seed(0)
+    experts = bsnn.convert(FallbackExperts(), RECIPE)
+    seen = []
+    for g in experts.grouped_mms.values():
+        g.register_forward_hook(lambda m, args, out: seen.append(args[0].dtype))
+    x, offs = sorted_tokens()
+    x = x.bfloat16()
+    by_hand = expert_mlp_by_hand(x.float(), offs, experts.gate_up_proj, experts.down_proj)
+    assert torch.equal(experts(x, offs), by_hand)
+    assert seen == [torch.float32, torch.float32]
+
+
 @pytest.mark.parametrize("kind", HF_KINDS)
 def test_hf_experts_are_quantized_and_routers_untouched(kind, caplog):
     model, reference = hf_pair(kind)
@@ -555,44 +583,212 @@ def test_hf_experts_without_an_experts_implementation_are_left_alone(caplog):
     assert not [w for w in caught if "unquantized" in str(w.message)]  # nothing was wrapped
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
-def test_hf_compiled_routing_equals_eager(kind, monkeypatch):
-    """torch.compile(fullgraph=True) of a converted transformers model calls GroupedMM from the
-    compiled graph and gives eager's losses and gradients over optimizer steps; set_precision
-    afterwards recompiles (the switch is read where Dynamo guards it).
+# What users run (DESIGN.md): FP32 masters with and without BF16 autocast, and BF16 parameters.
+# transformers' experts take another path per weight dtype under torch.compile (nn/experts.py).
+PARAMETERS = {
+    "fp32": (torch.float32, False),
+    "fp32_autocast": (torch.float32, True),
+    "bf16": (torch.bfloat16, False),
+}
 
-    ops.grouped_mm cannot be traced on the CPU yet (see the xfail above), so a traceable stand-in
-    takes its place here: the grouped GEMM with its output doubled, which no unrouted path
-    computes. aot_eager is Dynamo and AOTAutograd, where the routing happens; Inductor's
-    numerics are test_compile.py's subject."""
 
-    def doubled(input, weight_t, offs, recipe, out_dtype=None, **weight_cache):
-        return 2 * torch._grouped_mm(input, weight_t, offs=offs, out_dtype=out_dtype)
+def _doubled_grouped_mm(
+    input: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
+    STAND_IN_CALLS["forward"] += 1
+    return 2 * torch._grouped_mm(input, weight_t, offs=offs)
 
-    monkeypatch.setattr(bs_experts, "grouped_mm", doubled)
+
+def _doubled_grouped_mm_backward(
+    input: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor, grad_output: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    STAND_IN_CALLS["backward"] += 1
+    grad_input = 2 * torch._grouped_mm(grad_output, weight_t.transpose(-2, -1), offs=offs)
+    return grad_input, 2 * torch._grouped_mm(input.t(), grad_output, offs=offs)
+
+
+def _stand_in_op():
+    """A stand-in for blockscale's grouped GEMM that a trace takes in any dtype: ops.grouped_mm
+    cannot be traced on the CPU (the xfail above), and a plain Python stand-in meets
+    torch._grouped_mm's BF16-only fake impl with FP32 masters. An opaque op, as blockscale's
+    own kernels are on CUDA, computing the grouped GEMM doubled (which no unrouted path
+    computes), and counting the calls that run, eager or compiled."""
+    lib = "blockscale_tests::doubled_grouped_mm"
+    op = torch.library.custom_op(lib, _doubled_grouped_mm, mutates_args=())
+    op.register_fake(
+        lambda input, weight_t, offs: input.new_empty(input.shape[0], weight_t.shape[-1])
+    )
+    backward = torch.library.custom_op(
+        f"{lib}_backward", _doubled_grouped_mm_backward, mutates_args=()
+    )
+    backward.register_fake(
+        lambda input, weight_t, offs, g: (torch.empty_like(input), torch.empty_like(weight_t))
+    )
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def grads(ctx, grad_output):
+        input, weight_t, offs = ctx.saved_tensors
+        return *backward(input, weight_t, offs, grad_output), None
+
+    op.register_autograd(grads, setup_context=setup_context)
+    return op
+
+
+STAND_IN_CALLS = {"forward": 0, "backward": 0}
+STAND_IN = _stand_in_op()
+
+
+@pytest.mark.parametrize(
+    ("kind", "parameters"),
+    [(kind, p) for kind in ("qwen3_moe", "deepseek_v3") for p in PARAMETERS]
+    + [(kind, "fp32_autocast") for kind in ("mixtral", "olmoe")],
+)
+def test_hf_compiled_routing_equals_eager(kind, parameters, monkeypatch):
+    """torch.compile(fullgraph=True) of a converted transformers model sends every experts'
+    grouped GEMM to blockscale, as eager does, and gives eager's losses and parameters over two
+    optimizer steps, bit for bit; set_precision afterwards recompiles (the switch is read where
+    Dynamo guards it) and gives eager's unquantized losses.
+
+    With FP32 weights, transformers' experts call their own `transformers::grouped_mm_fallback`
+    under torch.compile where torch.compiler.is_compiling() reports True inside the experts'
+    traced call (torch 2.13), and grouped_mm where it does not (2.11): both must reach
+    blockscale (before the router knew the fallback op, 0 calls did on 2.13). A stand-in takes
+    blockscale's place (`_stand_in_op`). aot_eager is Dynamo and AOTAutograd, where the routing
+    happens; Inductor's numerics are test_compile.py's subject. Attention is transformers'
+    eager one: torch 2.11's aot_eager SDPA backward in BF16 differs from eager's in the last
+    bits (k/v_proj gradients, measured on the unconverted model)."""
+    dtype, autocast = PARAMETERS[parameters]
+
+    def stand_in(input, weight_t, offs, recipe, out_dtype=None, **weight_cache):
+        assert out_dtype is None  # transformers passes none
+        return STAND_IN(input, weight_t, offs)
+
+    monkeypatch.setattr(bs_experts, "grouped_mm", stand_in)
     torch._dynamo.reset()
     model, unconverted = hf_pair(kind, n_layers=1)
-    model, unconverted = model.bfloat16(), unconverted.bfloat16()
+    model, unconverted = model.to(dtype), unconverted.to(dtype)
+    for m in (model, unconverted):
+        m.config._attn_implementation = "eager"
     bsnn.convert(model, RECIPE, module_filter_fn=lambda m, fqn: fqn.endswith(".experts"))
     twin = copy.deepcopy(model)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    losses = {}
+
+    def loss_of(run):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return run(ids, labels=ids).loss
+
+    losses, calls = {}, {}
     for name, run, params in (("eager", twin, twin), ("compiled", compiled, model)):
         optimizer = torch.optim.SGD(params.parameters(), lr=0.1)
         losses[name] = []
-        for _ in range(2):
+        for step in range(2):
+            if step == 1:  # the compile happened in step 0: count a step's calls
+                STAND_IN_CALLS.update(forward=0, backward=0)
             optimizer.zero_grad()
-            loss = run(ids, labels=ids).loss
+            loss = loss_of(run)
             loss.backward()
             optimizer.step()
             losses[name].append(loss.detach())
+        calls[name] = dict(STAND_IN_CALLS)
+    assert calls["eager"] == {"forward": 2, "backward": 2}  # gate_up and down of one layer
+    assert calls["compiled"] == calls["eager"]
     assert all(map(torch.equal, losses["compiled"], losses["eager"])), losses
-    assert torch.equal(
-        model.model.layers[0].mlp.experts.down_proj, twin.model.layers[0].mlp.experts.down_proj
-    )
-    assert not torch.equal(losses["eager"][0], unconverted(ids, labels=ids).loss)
+    differ = [
+        n for (n, p), q in zip(model.named_parameters(), twin.parameters()) if not torch.equal(p, q)
+    ]
+    assert not differ, differ
+    assert not torch.equal(losses["eager"][0], loss_of(unconverted).detach())
     bsnn.set_precision(model, False)
     bsnn.set_precision(twin, False)
-    assert torch.equal(compiled(ids, labels=ids).loss, twin(ids, labels=ids).loss)
+    STAND_IN_CALLS.update(forward=0, backward=0)
+    assert torch.equal(loss_of(compiled), loss_of(twin))
+    assert STAND_IN_CALLS["forward"] == 0
     torch._dynamo.reset()
+
+
+def test_high_precision_grouped_mm_is_torch_grouped_mm():
+    """The op an unquantized FP32 grouped GEMM takes under a trace (nn/experts.py) gives
+    torch._grouped_mm's output and gradients, bit for bit, eager and compiled."""
+    torch.manual_seed(0)
+    x, offs = sorted_tokens()
+    x = x[:70]  # torch._grouped_mm leaves rows past offs[-1] unspecified
+    weight = torch.randn(N_EXPERTS, 48, DIM)
+    grad_output = torch.randn(70, 48)
+    results = []
+    for fn in (
+        lambda x, w: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs),
+        lambda x, w: bs_experts._high_precision_grouped_mm(x, w.transpose(-2, -1), offs),
+        torch.compile(
+            lambda x, w: bs_experts._high_precision_grouped_mm(x, w.transpose(-2, -1), offs),
+            fullgraph=True,
+            backend="aot_eager",
+        ),
+    ):
+        x_, w_ = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = fn(x_, w_)
+        out.backward(grad_output)
+        results.append((out, x_.grad, w_.grad))
+    for got in results[1:]:
+        for name, a, b in zip(("output", "grad_input", "grad_weight"), got, results[0]):
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_gpu_hf_compiled_with_fp32_masters_under_autocast_tracks_eager(backend, monkeypatch):
+    """A tiny transformers Qwen3-MoE with FP32 masters, converted (every block, experts and
+    linears) and trained three AdamW steps under BF16 autocast on CUDA, compiled with
+    fullgraph=True: its grouped GEMMs reach blockscale in the trace (transformers sends FP32
+    experts to its fallback op under compile; before the router took that op, none did and the
+    H200 run failed with DataDependentOutputException) and the losses follow eager's.
+    aot_eager runs the traced graph op for op: the losses must be eager's bits. Inductor also
+    fuses the model's own BF16 ops with other roundings than eager, so there the losses must
+    follow eager's as closely as the same model's unquantized losses do (set_precision off:
+    the experts' FP32 GEMMs then run through the router's high-precision op), x10 or 2e-3
+    relative, the larger."""
+    calls = []
+    routed = bs_experts.grouped_mm
+
+    def counted(input, weight_t, offs, recipe, out_dtype=None):
+        calls.append((input.dtype, weight_t.dtype))
+        return routed(input, weight_t, offs, recipe, out_dtype=out_dtype)
+
+    monkeypatch.setattr(bs_experts, "grouped_mm", counted)
+
+    def run(compiled: bool, quantized: bool = True):
+        torch._dynamo.reset()
+        model = hf_model("qwen3_moe").cuda()
+        model.config._attn_implementation = "eager"  # see test_hf_compiled_routing_equals_eager
+        bsnn.convert(model, RECIPE, module_filter_fn=bsnn.layer_policy(model, 0.0))
+        bsnn.set_precision(model, quantized)
+        fn = torch.compile(model, fullgraph=True, backend=backend) if compiled else model
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses, counts = [], []
+        for step in range(3):
+            ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(step))
+            calls.clear()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = fn(ids.cuda(), labels=ids.cuda()).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.detach().float())
+            counts.append(list(calls))
+        torch._dynamo.reset()
+        return torch.stack(losses), counts
+
+    eager, eager_calls = run(compiled=False)
+    compiled, compiled_calls = run(compiled=True)
+    fp32 = (torch.float32, torch.float32)  # the input is cast to the weight's dtype
+    assert eager_calls == [[fp32] * 4] * 3  # 2 blocks x (gate_up, down) every step
+    assert compiled_calls[0] == [fp32] * 4  # traced once, into the compiled graph
+    rel = lambda a, b: ((a - b).abs() / b.abs()).max().item()  # noqa: E731
+    if backend == "aot_eager":
+        assert torch.equal(compiled, eager), (compiled, eager)
+    else:
+        noise = rel(run(compiled=True, quantized=False)[0], run(compiled=False, quantized=False)[0])
+        assert rel(compiled, eager) <= max(10 * noise, 2e-3), (compiled, eager, noise)

@@ -54,6 +54,19 @@ to its module by an identity-compared constant (as PyTorch's own nonstrict modul
 so compiling each block on its own recompiles once per block; and forward hooks on a `GroupedMM`
 run while the graph is traced, not at each compiled step.
 
+transformers' fallback op. transformers' experts (`integrations/moe.py`, 5.x) call grouped_mm
+in the weight's dtype (the input cast to it), except where they judge grouped_mm unusable: under
+torch.compile (`torch.compiler.is_compiling()`) with non-BF16 weights, as FP32 masters are, they
+call their own op `transformers::grouped_mm_fallback(input, weight [E, K, N], offs)`, a loop of
+`torch.mm`. Inside the experts' traced call torch 2.13 reports is_compiling() and torch 2.11
+does not, so the same model reaches the router through the fallback op on one and through
+grouped_mm on the other. The router takes both, the op by its name and its arguments by its
+registered schema (whatever the transformers version, and only where transformers registered
+it), and sends the op's call to `GroupedMM` as the grouped_mm path would have made it, the input
+cast to the weight's dtype (some releases pass it uncast, BF16 under autocast). Unquantized (set_precision off, the bf16 recipe), such a call under a trace
+cannot run `torch._grouped_mm` either, whose fake impl accepts only BF16: `GroupedMM` then runs
+`_high_precision_grouped_mm`, one opaque op around eager's `torch._grouped_mm` calls.
+
 Eager costs one Python `__torch_function__` call per torch op inside the experts forward,
 microseconds against the GEMMs. A whole-module `torch.save(model)` cannot pickle the generated
 class (save the state_dict, which is unchanged). A converted weight that no grouped_mm consumed
@@ -76,6 +89,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from blockscale import _library
 from blockscale.ops.grouped_mm import grouped_mm
 from blockscale.ops.weight_cache import WeightCache
 from blockscale.recipes import Recipe, require_recipe
@@ -111,6 +125,10 @@ _LAYOUT_AND_DTYPE_OPS = frozenset(
     }
 )
 
+# transformers' own grouped GEMM op, (input [M, K], weight [E, K, N], offs) -> [M, N], a loop of
+# torch.mm: its experts call it instead of grouped_mm for non-BF16 weights under torch.compile.
+TRANSFORMERS_FALLBACK_OP = "transformers::grouped_mm_fallback"
+
 # torch.nn's own modules whose weights are 3D for another reason than experts.
 _NOT_EXPERTS = (nn.Conv1d, nn.ConvTranspose1d, nn.Bilinear)
 
@@ -119,7 +137,9 @@ class GroupedMM(nn.Module):
     """`blockscale.grouped_mm` with a recipe, as a module with no parameters.
 
     forward(input [M, K], weight_t [E, K, N], offs int32 [E]) -> [M, N]. With
-    `quantize_enabled` False it is exactly `torch._grouped_mm(input, weight_t, offs=offs)`.
+    `quantize_enabled` False (or a recipe that quantizes nothing) it is exactly
+    `torch._grouped_mm(input, weight_t, offs=offs)`, under a trace through an opaque op where
+    the operands are not BF16 (`_unquantized_grouped_mm`).
     `weight_cache` keeps the experts' quantized copies while they are unchanged (as on
     `Linear`; the router passes the parameter the weight came from as `weight_source`).
 
@@ -159,8 +179,8 @@ class GroupedMM(nn.Module):
         *,
         weight_source: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if not self.quantize_enabled:
-            return torch._grouped_mm(input, weight_t, offs=offs, out_dtype=out_dtype)
+        if not self.quantize_enabled or not self.recipe.quantized:
+            return _unquantized_grouped_mm(input, weight_t, offs, out_dtype)
         cache = None if torch.compiler.is_compiling() else self.weight_cache
         return grouped_mm(
             input,
@@ -367,6 +387,28 @@ def _grouped_mm_args(
     return mat_a, mat_b, offs, bias, out_dtype
 
 
+def _fallback_args(func: Any, args: tuple, kwargs: dict) -> tuple[Any, ...]:
+    """transformers' fallback op's arguments, bound by its registered schema (input, weight,
+    offs in every release seen); a fourth tensor argument is returned as the bias, which the
+    router refuses."""
+    overload = func if isinstance(func, torch._ops.OpOverload) else func.default
+    names = [argument.name for argument in overload._schema.arguments]
+    bound = dict(zip(names, args)) | kwargs
+    input, weight, offs, *rest = (bound.get(name) for name in names)
+    bias = next((v for v in rest if isinstance(v, torch.Tensor)), None)
+    return input, weight, offs, bias, None
+
+
+def _is_transformers_fallback(func: Any) -> bool:
+    """Whether `func` is transformers' `transformers::grouped_mm_fallback` op (the packet or an
+    overload), which its experts call instead of grouped_mm where they judge grouped_mm
+    unusable (module docstring, "transformers' fallback op")."""
+    if not isinstance(func, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        return False
+    packet = getattr(func, "overloadpacket", func)
+    return getattr(packet, "_qualified_op_name", None) == TRANSFORMERS_FALLBACK_OP
+
+
 class _GroupedMMRouter(TorchFunctionMode):
     """Sends grouped_mm calls whose weight was computed from a converted parameter to that
     parameter's GroupedMM, for the duration of one experts forward."""
@@ -396,6 +438,8 @@ class _GroupedMMRouter(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in GROUPED_MM_FUNCTIONS:
             return self._grouped_mm(func, args, kwargs)
+        if _is_transformers_fallback(func):
+            return self._grouped_mm(func, args, kwargs, fallback=True)
         out = func(*args, **kwargs)
         if args and isinstance(out, torch.Tensor) and out.dim() == 3:
             source = self._source(args[0])
@@ -404,12 +448,21 @@ class _GroupedMMRouter(TorchFunctionMode):
                 self._track(out, name, param if func in _LAYOUT_AND_DTYPE_OPS else None)
         return out
 
-    def _grouped_mm(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
-        input, weight_t, offs, bias, out_dtype = _grouped_mm_args(*args, **kwargs)
+    def _grouped_mm(
+        self, func: Any, args: tuple, kwargs: dict, fallback: bool = False
+    ) -> torch.Tensor:
+        if fallback:
+            input, weight_t, offs, bias, out_dtype = _fallback_args(func, args, kwargs)
+        else:
+            input, weight_t, offs, bias, out_dtype = _grouped_mm_args(*args, **kwargs)
         source = self._source(weight_t)
         if source is None:
             return func(*args, **kwargs)
         name, param = source
+        if fallback:
+            # as transformers' grouped_mm path casts it (some releases call the fallback op
+            # on the input uncast), so a compiled step makes eager's call
+            input = input.to(weight_t.dtype)
         if input.dim() != 2 or offs is None or bias is not None:
             raise ValueError(
                 f"grouped_mm on the converted expert weight {name!r} must be input [M, K] @ "
@@ -423,3 +476,74 @@ class _GroupedMMRouter(TorchFunctionMode):
         return self.grouped_mms[name](
             input, weight_t, offs, out_dtype=out_dtype, weight_source=param
         )
+
+
+def _unquantized_grouped_mm(
+    input: torch.Tensor,
+    weight_t: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`torch._grouped_mm`, also where a trace cannot take it: its fake impl accepts only BF16,
+    so an unquantized grouped GEMM on FP32 expert weights (set_precision off, or the bf16
+    recipe, on FP32 masters) runs `_high_precision_grouped_mm` under a trace."""
+    if _library.tracing() and not input.dtype == weight_t.dtype == torch.bfloat16:
+        return _high_precision_grouped_mm(input, weight_t, offs, out_dtype)
+    return torch._grouped_mm(input, weight_t, offs=offs, out_dtype=out_dtype)
+
+
+def _high_precision_grouped_mm(
+    input: torch.Tensor,
+    weight_t: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """One opaque op whose forward and backward run eager's `torch._grouped_mm` calls, in any
+    dtype, so compiled gives eager's bits."""
+    return _high_precision_forward(input, weight_t, offs, out_dtype)
+
+
+@torch.library.custom_op("blockscale::grouped_mm_high_precision", mutates_args=())
+def _high_precision_forward(
+    input: torch.Tensor,
+    weight_t: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    return torch._grouped_mm(input, weight_t, offs=offs, out_dtype=out_dtype)
+
+
+@_high_precision_forward.register_fake
+def _(input, weight_t, offs, out_dtype=None):
+    return input.new_empty(input.shape[0], weight_t.shape[-1], dtype=out_dtype or input.dtype)
+
+
+@torch.library.custom_op("blockscale::grouped_mm_high_precision_backward", mutates_args=())
+def _high_precision_backward(
+    input: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor, grad_output: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # what autograd runs for torch._grouped_mm (the same bits: tested against it)
+    grad_output = grad_output.to(input.dtype)
+    grad_input = torch._grouped_mm(grad_output, weight_t.transpose(-2, -1), offs=offs)
+    return grad_input, torch._grouped_mm(input.t(), grad_output, offs=offs)
+
+
+@_high_precision_backward.register_fake
+def _(input, weight_t, offs, grad_output):
+    return torch.empty_like(input), weight_t.new_empty(weight_t.shape)
+
+
+def _high_precision_setup_context(ctx, inputs, output):
+    input, weight_t, offs, _ = inputs
+    ctx.save_for_backward(input, weight_t, offs)
+
+
+def _high_precision_grads(ctx, grad_output):
+    input, weight_t, offs = ctx.saved_tensors
+    grad_input, grad_weight_t = _high_precision_backward(input, weight_t, offs, grad_output)
+    return grad_input, grad_weight_t, None, None
+
+
+_high_precision_forward.register_autograd(
+    _high_precision_grads, setup_context=_high_precision_setup_context
+)

@@ -1,0 +1,336 @@
+"""transformers mixture-of-experts models as a user trains them: tokens/s of each recipe against
+the cast BF16 baseline in one process, eager and compiled, and each recipe's peak memory alone in
+a process of its own.
+
+Models (transformers' own classes, random init, `experts_implementation="grouped_mm"`, SDPA
+attention, a 32000-token vocabulary, every block an MoE block):
+
+- qwen3-30b-a3b: Qwen3-MoE at Qwen3-30B-A3B's block shape: hidden 2048, 128 experts, top-8,
+  expert width 768, 32 heads / 4 KV heads of 128; 2 layers.
+- deepseek-v3: DeepSeek-V3's layout scaled to fit one H100: 256 routed experts, top-8 (8
+  groups, 4 picked), one shared expert, sigmoid router with its correction bias, multi-head
+  latent attention (16 heads, q rank 768, kv rank 512, rope 64, nope 128, v 128), hidden 2048,
+  expert width 512 (DeepSeek-V3: 7168 and 2048, the same 3.5-4x ratio); 2 layers. Its FP32
+  weights, gradients and AdamW state take 26 GiB.
+- mixtral: Mixtral-8x7B's block: hidden 4096, 8 experts, top-2, width 14336, 32 heads / 8 KV
+  heads; 1 layer.
+- qwen3-tiny, deepseek-tiny, mixtral-tiny: the same classes at CPU sizes (--smoke).
+
+Recipes. `bf16` is the cast BF16 baseline: FP32 master weights whose experts' grouped GEMMs run
+on BF16 operands, as autocast would cast them (it does not: `torch._grouped_mm` is not an
+autocast op, so transformers runs FP32 masters' grouped GEMMs in FP32, slower than BF16 and than
+every quantized recipe, whose GEMMs run on BF16 tensor cores; that unconverted model is the
+`hf` recipe, on request). The baseline routes the experts as `convert` does, to a
+`CastGroupedMM`; its linears are autocast's. A quantized recipe's model is converted with
+`convert(model, recipe, module_filter_fn=layer_policy(model, bf16_tail_fraction=0.0))`: every
+block is quantized (with one or two blocks the paper's 15% tail would keep a whole block, or
+the only one, in BF16), the LM head, embeddings and routers stay BF16.
+
+The step is bench_model.py's: FP32 parameters, forward under BF16 autocast (CUDA), FP32
+cross-entropy, backward, clipping at 1.0, fused AdamW. "compile" is plain
+`torch.compile(model)`. Columns:
+
+- first_s, step_ms (median of --steps after --warmup), tokens_per_s and tok_vs_bf16: one
+  process runs every recipe of a model and mode, so the ratios compare like with like;
+- peak_gib and mem_vs_bf16: `max_memory_allocated` over the timed steps of a process that ran
+  only that model, mode and recipe (--memory process, the default; a recipe run after others
+  in one process inherits their allocator's cached blocks and fragmentation). --memory inline
+  takes the peaks of the shared process instead (faster), --memory none skips them; the
+  shared process's peak is kept as peak_gib_shared either way;
+- status: ok, or why the row has no figures (compile_timeout, oom, error: ...).
+
+Sized for one model per 10-minute device call (both modes, bf16 / nvfp4 / mxfp8 and six memory
+processes; not yet timed on a GPU): split with --models, and --eager / --compile if a model
+does not fit. Every row is written to --out as it finishes, so a run cut short keeps its rows.
+
+    python benchmarks/bench_moe_model.py --models qwen3-30b-a3b \\
+        --out docs/results/bench_moe_model_qwen3_h100.json
+    python benchmarks/bench_moe_model.py --smoke        # CPU, tiny models, eager
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
+
+import bench_model  # noqa: E402
+import harness  # noqa: E402
+
+from blockscale import nn as bsnn  # noqa: E402
+from blockscale import recipes  # noqa: E402
+from blockscale.nn import experts as bs_experts  # noqa: E402
+from blockscale.ops.linear import output_dtype  # noqa: E402
+
+RECIPES = ["bf16", "nvfp4", "mxfp8", "nvfp4_fwd_mxfp8_bwd", "hf"]
+VOCAB = 32000
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A transformers MoE model: its config and model classes and the config's fields."""
+
+    config: str
+    model: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def layers(self) -> int:
+        return self.fields["num_hidden_layers"]
+
+
+def _qwen3(hidden, experts, top_k, width, layers, heads, kv_heads, head_dim, vocab=VOCAB):
+    return MoESpec("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        hidden_size=hidden, num_experts=experts, num_experts_per_tok=top_k,
+        moe_intermediate_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        norm_topk_prob=True, vocab_size=vocab))  # fmt: skip
+
+
+def _deepseek(hidden, experts, top_k, width, layers, heads, q_rank, kv_rank, rope, nope, v,
+              groups, vocab=VOCAB):  # fmt: skip
+    return MoESpec("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        hidden_size=hidden, n_routed_experts=experts, num_experts_per_tok=top_k,
+        moe_intermediate_size=width, intermediate_size=4 * width, n_shared_experts=1,
+        n_group=groups, topk_group=max(1, groups // 2), first_k_dense_replace=0,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        q_lora_rank=q_rank, kv_lora_rank=kv_rank, qk_rope_head_dim=rope, qk_nope_head_dim=nope,
+        v_head_dim=v, vocab_size=vocab))  # fmt: skip
+
+
+def _mixtral(hidden, experts, top_k, width, layers, heads, kv_heads, vocab=VOCAB):
+    return MoESpec("MixtralConfig", "MixtralForCausalLM", dict(
+        hidden_size=hidden, num_local_experts=experts, num_experts_per_tok=top_k,
+        intermediate_size=width, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, vocab_size=vocab))  # fmt: skip
+
+
+MODELS: dict[str, MoESpec] = {
+    "qwen3-30b-a3b": _qwen3(2048, 128, 8, 768, 2, 32, 4, 128),
+    "deepseek-v3": _deepseek(2048, 256, 8, 512, 2, 16, 768, 512, 64, 128, 128, groups=8),
+    "mixtral": _mixtral(4096, 8, 2, 14336, 1, 32, 8),
+    "qwen3-tiny": _qwen3(64, 8, 2, 32, 2, 4, 2, 16, vocab=256),
+    "deepseek-tiny": _deepseek(64, 8, 2, 32, 2, 4, 32, 32, 16, 16, 16, groups=2, vocab=256),
+    "mixtral-tiny": _mixtral(64, 4, 2, 64, 1, 4, 2, vocab=256),
+}
+SMOKE_MODELS = "qwen3-tiny,deepseek-tiny,mixtral-tiny"
+
+
+class CastGroupedMM(bsnn.GroupedMM):
+    """The cast BF16 baseline's grouped GEMM: `torch._grouped_mm` on the BF16 casts of its
+    operands (the FP32 masters get their gradients through the casts), the output in the dtype
+    blockscale's grouped_mm gives (autocast's when on, else the input's)."""
+
+    def forward(self, input, weight_t, offs, out_dtype=None):
+        out = torch._grouped_mm(input.bfloat16(), weight_t.bfloat16(), offs=offs)
+        return out.to(out_dtype or output_dtype(input))
+
+
+def _is_experts(module: torch.nn.Module, fqn: str) -> bool:
+    return bool(bs_experts.experts_weights(module))
+
+
+def build(spec: MoESpec, recipe: str, seq_len: int, device: torch.device) -> torch.nn.Module:
+    """The model (FP32, on `device`, seeded), made to run `recipe`."""
+    import transformers  # noqa: PLC0415 (optional)
+
+    torch.manual_seed(0)
+    config = getattr(transformers, spec.config)(
+        **spec.fields, max_position_embeddings=max(seq_len, 2048), use_cache=False,
+        attn_implementation="sdpa", experts_implementation="grouped_mm",
+    )  # fmt: skip
+    with torch.device(device):
+        model = getattr(transformers, spec.model)(config)
+    if recipe == "bf16":
+        bsnn.convert(model, recipes.get("bf16"), module_filter_fn=_is_experts)
+        for module in model.modules():
+            grouped_mms = getattr(module, "grouped_mms", None)
+            if isinstance(grouped_mms, torch.nn.ModuleDict):
+                for name in list(grouped_mms):
+                    grouped_mms[name] = CastGroupedMM(recipes.get("bf16"))
+    elif recipe != "hf":
+        policy = bsnn.layer_policy(model, bf16_tail_fraction=0.0)
+        bsnn.convert(model, recipes.get(recipe), module_filter_fn=policy)
+    return model
+
+
+def run_case(name: str, mode: str, recipe: str, args, device: torch.device) -> dict[str, Any]:
+    row: dict[str, Any] = {"model": name, "mode": mode, "recipe": recipe, "status": "ok"}
+    model = optimizer = forward = step = batches = None
+    try:
+        spec = MODELS[name]
+        model = build(spec, recipe, args.seq_len, device)
+        row["layers"] = spec.layers()
+        row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=1e-4, fused=device.type == "cuda", foreach=None
+        )
+        forward = torch.compile(model) if mode == "compile" else model
+        step = bench_model.make_step(model, optimizer, forward, device)
+        gen = torch.Generator().manual_seed(1)
+        shape = (args.batch_size, args.seq_len + 1)
+        vocab = spec.fields["vocab_size"]
+        batches = [torch.randint(0, vocab, shape, generator=gen).to(device) for _ in range(2)]
+        t0 = time.perf_counter()
+        with bench_model.time_limit(args.compile_timeout if mode == "compile" else 0):
+            step(batches[0])
+            harness.synchronize(device)
+        row["first_s"] = time.perf_counter() - t0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        timing = harness.time_fn(
+            step, [(b,) for b in batches], warmup=args.warmup, reps=args.steps, device=device
+        )
+        row["step_ms"] = timing.median_ms
+        row["tokens_per_s"] = args.batch_size * args.seq_len / (timing.median_ms * 1e-3)
+        if device.type == "cuda":
+            row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    except Exception as e:  # a failing recipe must not lose the others' figures
+        row["status"] = bench_model.failure(e)
+    finally:
+        del model, optimizer, forward, step, batches  # the next row starts from free memory
+        torch._dynamo.reset()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def peak_alone(name: str, mode: str, recipe: str, args) -> dict[str, Any]:
+    """Run one model, mode and recipe in a process of its own: its row (peak_gib, status)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        command = [sys.executable, str(Path(__file__).resolve()), "--child-json", str(out),
+                   "--models", name, "--recipes", recipe, f"--{mode}", "--memory", "none",
+                   "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+                   "--warmup", "1", "--steps", str(args.memory_steps),
+                   "--compile-timeout", str(args.compile_timeout)]  # fmt: skip
+        if args.device:
+            command += ["--device", args.device]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True,
+                                  timeout=args.memory_timeout)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return {"status": f"memory process ran past {args.memory_timeout:.0f} s"}
+        if done.returncode != 0 or not out.exists():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
+            return {"status": f"memory process exited {done.returncode}: {tail[0][:200]}"}
+        return json.loads(out.read_text())["rows"][0]
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    for r in rows:
+        base = next((b for b in rows if b["model"] == r["model"] and b["mode"] == r["mode"]
+                     and b["recipe"] == "bf16"), None)  # fmt: skip
+        if base is None:
+            continue
+        if "tokens_per_s" in r and "tokens_per_s" in base:
+            r["tok_vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
+        if r.get("peak_gib") and base.get("peak_gib"):
+            r["mem_vs_bf16"] = r["peak_gib"] / base["peak_gib"]
+
+
+COLUMNS = ["model", "layers", "mode", "recipe", "first_s", "step_ms", "tokens_per_s",
+           "tok_vs_bf16", "peak_gib", "mem_vs_bf16", "status"]  # fmt: skip
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3,mixtral",
+                        help=f"comma list of {', '.join(MODELS)}")  # fmt: skip
+    parser.add_argument("--recipes", default="bf16,nvfp4,mxfp8",
+                        help=f"of {', '.join(RECIPES)}; bf16 is always run")  # fmt: skip
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--eager", action="store_true", help="eager rows only")
+    modes.add_argument("--compile", action="store_true", help="compiled rows only")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps (median reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
+    parser.add_argument("--compile-timeout", type=float, default=240.0, help="s, 0: none")
+    parser.add_argument("--memory", choices=["process", "inline", "none"], default=None,
+                        help="peak memory from a process per recipe (the default), the shared "
+                             "process, or not at all (the default with --smoke)")  # fmt: skip
+    parser.add_argument("--memory-steps", type=int, default=2, help="timed steps per process")
+    parser.add_argument("--memory-timeout", type=float, default=300.0, help="s per process")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU smoke test: the tiny models (unless --models), batch 2, "
+                             "sequence 32, 1 warm-up, 2 steps")  # fmt: skip
+    parser.add_argument("--out", metavar="PATH", help="write the rows as JSON")
+    parser.add_argument("--child-json", metavar="PATH", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        if args.models == parser.get_default("models"):
+            args.models = SMOKE_MODELS
+        args.batch_size, args.seq_len, args.warmup, args.steps = 2, 32, 1, 2
+        args.device = args.device or "cpu"
+    if args.memory is None:
+        args.memory = "none" if args.smoke else "process"
+    args.out = args.child_json or args.out
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    device = harness.pick_device(args.device)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        raise SystemExit(f"unknown models {unknown}; choose from {', '.join(MODELS)}")
+    names = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    if args.child_json is None:
+        names = ["bf16"] + [r for r in names if r != "bf16"]  # ratios need BF16 in this run
+    for r in names:
+        if r not in ("bf16", "hf"):
+            recipes.get(r)  # an unknown name fails before any model is built
+    modes = ["eager"] if args.eager else ["compile"] if args.compile else ["eager", "compile"]
+    info = harness.banner(device)
+    rows: list[dict[str, Any]] = []
+
+    def record() -> None:
+        add_ratios(rows)
+        if args.out:
+            harness.write_json(args.out, {
+                "benchmark": "moe_model", "banner": info,
+                "argv": sys.argv[1:] if argv is None else argv, "batch_size": args.batch_size,
+                "seq_len": args.seq_len, "memory": args.memory, "rows": rows})  # fmt: skip
+
+    for name in models:
+        for mode in modes:
+            for recipe in names:
+                row = run_case(name, mode, recipe, args, device)
+                if args.child_json is None and args.memory != "inline":
+                    row["peak_gib_shared"] = row.pop("peak_gib", None)
+                rows.append(row)
+                figures = ", ".join(f"{k}={harness.fmt(row.get(k))}" for k in
+                                    ("first_s", "step_ms", "tokens_per_s"))  # fmt: skip
+                print(f"  {name} {mode} {recipe}: {figures} [{row['status']}]", flush=True)
+                record()  # after every row: a run cut short keeps the rows it finished
+            if args.memory == "process":
+                for row in rows[-len(names) :]:
+                    alone = peak_alone(name, mode, row["recipe"], args)
+                    row["peak_gib"] = alone.get("peak_gib")
+                    if alone["status"] != "ok":
+                        row["memory_status"] = alone["status"]
+                    print(f"  {name} {mode} {row['recipe']} alone: peak_gib="
+                          f"{harness.fmt(row['peak_gib'])} [{alone['status']}]", flush=True)  # fmt: skip
+                record()
+    print(f"\nB={args.batch_size} T={args.seq_len}, tokens/s ratios to the cast BF16 baseline "
+          f"in one process; peak memory: {args.memory}")  # fmt: skip
+    harness.print_table(rows, COLUMNS)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
