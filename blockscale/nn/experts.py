@@ -89,7 +89,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from blockscale import _library
+from blockscale import _registry
 from blockscale.ops.grouped_mm import grouped_mm
 from blockscale.ops.weight_cache import WeightCache
 from blockscale.recipes import Recipe, require_recipe
@@ -487,7 +487,7 @@ def _unquantized_grouped_mm(
     """`torch._grouped_mm`, also where a trace cannot take it: its fake impl accepts only BF16,
     so an unquantized grouped GEMM on FP32 expert weights (set_precision off, or the bf16
     recipe, on FP32 masters) runs `_high_precision_grouped_mm` under a trace."""
-    if _library.tracing() and not input.dtype == weight_t.dtype == torch.bfloat16:
+    if _registry.tracing() and not input.dtype == weight_t.dtype == torch.bfloat16:
         return _high_precision_grouped_mm(input, weight_t, offs, out_dtype)
     return torch._grouped_mm(input, weight_t, offs=offs, out_dtype=out_dtype)
 

@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from blockscale._library import tracing
+from blockscale._registry import tracing
 
 # Whether a new cache also keeps the `_dq` operands (docs/KERNELS.md, "Weight cache": packed
 # only by default, since the BF16 copies would add 2 bytes per weight value to the peak).
