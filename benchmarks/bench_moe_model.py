@@ -182,7 +182,7 @@ def run_case(name: str, mode: str, recipe: str, args, device: torch.device) -> d
         vocab = spec.fields["vocab_size"]
         batches = [torch.randint(0, vocab, shape, generator=gen).to(device) for _ in range(2)]
         t0 = time.perf_counter()
-        with bench_model.time_limit(args.compile_timeout if mode == "compile" else 0):
+        with bench_model.TimeLimit(args.compile_timeout if mode == "compile" else 0):
             step(batches[0])
             harness.synchronize(device)
         row["first_s"] = time.perf_counter() - t0
