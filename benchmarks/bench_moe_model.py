@@ -131,7 +131,7 @@ class CastGroupedMM(bsnn.GroupedMM):
     operands (the FP32 masters get their gradients through the casts), the output in the dtype
     blockscale's grouped_mm gives (autocast's when on, else the input's)."""
 
-    def forward(self, input, weight_t, offs, out_dtype=None):
+    def forward(self, input, weight_t, offs, out_dtype=None, *, weight_source=None):
         out = torch._grouped_mm(input.bfloat16(), weight_t.bfloat16(), offs=offs)
         return out.to(out_dtype or output_dtype(input))
 
