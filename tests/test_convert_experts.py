@@ -753,9 +753,9 @@ def test_gpu_hf_compiled_with_fp32_masters_under_autocast_tracks_eager(backend, 
     calls = []
     routed = bs_experts.grouped_mm
 
-    def counted(input, weight_t, offs, recipe, out_dtype=None):
+    def counted(input, weight_t, offs, recipe, out_dtype=None, **weight_cache):
         calls.append((input.dtype, weight_t.dtype))
-        return routed(input, weight_t, offs, recipe, out_dtype=out_dtype)
+        return routed(input, weight_t, offs, recipe, out_dtype=out_dtype, **weight_cache)
 
     monkeypatch.setattr(bs_experts, "grouped_mm", counted)
 
