@@ -23,8 +23,9 @@ head and the embeddings stay BF16); BF16 is the unconverted model. "compile" is 
   unless the host is the bottleneck: host_ms close to step_ms means launch-bound);
 - status: ok, or why the row has no figures (compile_timeout, oom, error: ...).
 
---compile-timeout bounds the first compiled step (SIGALRM in the main thread, where Dynamo and
-Inductor run): a compile that stalls is reported as compile_timeout and the run goes on.
+--compile-timeout bounds the first compiled step (a repeating SIGALRM in the main thread, where
+Dynamo and Inductor run, and a check of the elapsed time after it; see TimeLimit): a compile
+that stalls or ends past the limit is reported as compile_timeout and the run goes on.
 --profile records one more step under torch.profiler per row: the top kernels by device time,
 the number of kernel launches and the host time; with --out they go into the JSON too.
 --memory-peak (CUDA) records one more step's allocations and reports the highest point: its
@@ -44,7 +45,7 @@ import importlib
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,23 +127,63 @@ class CompileTimeout(Exception):
     pass
 
 
-@contextlib.contextmanager
-def time_limit(seconds: float) -> Iterator[None]:
-    """Raise CompileTimeout in the main thread after `seconds` (0: no limit)."""
-    if seconds <= 0 or not hasattr(signal, "SIGALRM"):
-        yield
-        return
+def _timeout_in_chain(e: BaseException | None) -> bool:
+    """Whether `e` is a CompileTimeout or was raised while one was handled (Dynamo wraps)."""
+    while e is not None:
+        if isinstance(e, CompileTimeout):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
-    def expire(signum: int, frame: Any) -> None:
-        raise CompileTimeout(f"first step did not finish in {seconds:.0f} s")
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
+class TimeLimit:
+    """Raise CompileTimeout in the main thread once `seconds` have passed (0: no limit).
+
+    One alarm is not enough: its exception can land where something catches it and goes on. A
+    weakref callback or __del__ that the garbage collector runs mid-step only prints what it
+    raises (and a signal that comes during a long collection is handled in the first such
+    callback); an `except Exception` in Dynamo or the model moves on. The step then runs on,
+    into a stalled compile perhaps, with no alarm left. So the alarm repeats every
+    min(seconds, 1 s) until the block ends, and a block that ends past the limit without
+    raising raises CompileTimeout on the way out: the outcome depends on the elapsed time only.
+
+    A repeat does nothing while a CompileTimeout is being handled (the except and finally
+    blocks it passes on its way out must run to their end) or inside __enter__ and __exit__
+    (which arm and disarm the timer: an exception there would leave it running)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.armed = False
+        self.deadline = 0.0
+        self.previous: Any = None
+
+    def __enter__(self) -> None:
+        if self.seconds <= 0 or not hasattr(signal, "SIGALRM"):
+            return
+        self.deadline = time.monotonic() + self.seconds
+        self.previous = signal.signal(signal.SIGALRM, self._expire)
+        self.armed = True
+        signal.setitimer(signal.ITIMER_REAL, self.seconds, min(self.seconds, 1.0))
+
+    def __exit__(self, kind: type[BaseException] | None, value: Any, tb: Any) -> None:
+        if not self.armed:
+            return
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL if self.previous is None else self.previous)
+        self.armed = False
+        over = time.monotonic() - self.deadline
+        if kind is None and over >= 0:
+            raise CompileTimeout(f"first step ended {over:.1f} s past the {self.seconds:g} s limit")
+
+    def _expire(self, signum: int, frame: Any) -> None:
+        if frame is not None and any(frame.f_code is c for c in _TIME_LIMIT_OWN_CODE):
+            return
+        if _timeout_in_chain(sys.exc_info()[1]):
+            return
+        raise CompileTimeout(f"first step did not finish in {self.seconds:g} s")
+
+
+_TIME_LIMIT_OWN_CODE = (TimeLimit.__enter__.__code__, TimeLimit.__exit__.__code__)
 
 
 def make_step(model, optimizer, forward, device) -> Callable[[torch.Tensor], None]:
@@ -350,7 +391,7 @@ def run_case(name: str, spec: ModelSpec, mode: str, recipe: str, args, device) -
         batches = [torch.randint(0, vocab, shape, generator=gen).to(device) for _ in range(2)]
         limit = args.compile_timeout if mode == "compile" else 0
         t0 = time.perf_counter()
-        with time_limit(limit):
+        with TimeLimit(limit):
             step(batches[0])
             harness.synchronize(device)
         row["first_s"] = time.perf_counter() - t0

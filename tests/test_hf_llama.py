@@ -13,6 +13,7 @@ checked bit for bit in tests/test_compile.py.
 """
 
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -232,13 +233,16 @@ def test_bench_model_runs_on_the_cpu(tmp_path, capsys):
 
 
 def test_bench_model_reports_a_compile_that_runs_out_of_time(monkeypatch):
-    """A compile that stalls: the backend sleeps far past the limit, so the alarm fires inside
-    Dynamo's compile whatever the machine's speed or its warm compile caches (a real compile of
-    the tiny model can finish inside any fixed limit once cached)."""
+    """A compile that stalls: the backend sleeps far past the limit, so the limit fires inside
+    the first step whatever the machine's speed, load or warm compile caches (a real compile
+    of the tiny model can finish inside any fixed limit once cached), and wherever Dynamo is
+    then. The stall is cut short: the alarm repeats until it gets out of the step."""
     real_compile = torch.compile
+    slept_to_the_end = []
 
     def stalled_backend(gm, example_inputs):
         time.sleep(60)
+        slept_to_the_end.append(True)
         return gm.forward
 
     def compile_that_stalls(model, **kwargs):
@@ -249,6 +253,74 @@ def test_bench_model_reports_a_compile_that_runs_out_of_time(monkeypatch):
                                "--quick", "--compile-timeout", "0.5"])  # fmt: skip
     assert len(rows) == 1 and rows[0]["status"].startswith("compile_timeout"), rows[0]["status"]
     assert "tokens_per_s" not in rows[0]
+    assert not slept_to_the_end
+
+
+# The limit's own behaviour, with the places an alarm can land that the compile test above
+# reaches only by chance: each block below sleeps or loops far past the limit, so none of these
+# depends on the machine's speed or load.
+
+
+def test_time_limit_fires_again_after_an_alarm_is_caught():
+    """The first alarm lands where something catches it (Dynamo falling back, a gc callback);
+    the next part of the step stalls. One alarm would leave the stall unbounded."""
+    bm = bench_model()
+    caught, stalled_to_the_end = [], []
+    with pytest.raises(bm.CompileTimeout, match="did not finish in 0.05 s"), bm.TimeLimit(0.05):
+        try:
+            time.sleep(30)
+        except bm.CompileTimeout as e:
+            caught.append(e)
+        time.sleep(30)
+        stalled_to_the_end.append(True)
+    assert len(caught) == 1 and not stalled_to_the_end
+
+
+def test_time_limit_raises_after_a_step_that_caught_every_alarm():
+    """A step that catches every alarm and then finishes, past the limit: it is still a timeout,
+    not a row of figures measured after an unbounded compile."""
+    bm = bench_model()
+    caught = 0
+    end = time.monotonic() + 0.3
+    with pytest.raises(bm.CompileTimeout), bm.TimeLimit(0.05):
+        while True:
+            try:
+                if time.monotonic() >= end:
+                    break
+                time.sleep(0.01)
+            except bm.CompileTimeout:
+                caught += 1
+    assert caught >= 1
+
+
+def test_time_limit_lets_the_timeout_unwind():
+    """While the timeout is on its way out, the except and finally blocks it passes (Dynamo's
+    clean-up) run to their end, however many repeats fall inside them."""
+    bm = bench_model()
+    cleaned_up = []
+    with pytest.raises(bm.CompileTimeout) as raised, bm.TimeLimit(0.05):
+        try:
+            time.sleep(30)
+        except bm.CompileTimeout:
+            time.sleep(0.3)  # six repeats of the alarm
+            cleaned_up.append(True)
+            raise
+    assert cleaned_up and raised.value.__context__ is None
+
+
+def test_time_limit_leaves_no_timer_behind():
+    """A step inside its limit: no exception, and the timer and the SIGALRM handler are as they
+    were, whether the block ended normally or by another exception."""
+    bm = bench_model()
+    before = signal.getsignal(signal.SIGALRM)
+    with bm.TimeLimit(30):
+        pass
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert signal.getsignal(signal.SIGALRM) is before
+    with pytest.raises(KeyError), bm.TimeLimit(30):
+        raise KeyError("not a timeout")
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert signal.getsignal(signal.SIGALRM) is before
 
 
 def test_bench_model_memory_peak_from_an_allocator_trace():
