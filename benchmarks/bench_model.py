@@ -141,7 +141,7 @@ class TimeLimit:
 
     One alarm is not enough: its exception can land where something catches it and goes on. A
     weakref callback or __del__ that the garbage collector runs mid-step only prints what it
-    raises (and a signal that comes during a long collection is handled in the first such
+    raises (and a signal that comes during a long collection can be handled in the first such
     callback); an `except Exception` in Dynamo or the model moves on. The step then runs on,
     into a stalled compile perhaps, with no alarm left. So the alarm repeats every
     min(seconds, 1 s) until the block ends, and a block that ends past the limit without
