@@ -59,7 +59,7 @@ import harness  # noqa: E402
 import replaced  # noqa: E402
 import tiles  # noqa: E402
 
-from blockscale import _registry, recipes  # noqa: E402
+from blockscale import _library, recipes  # noqa: E402
 from blockscale import nn as bsnn  # noqa: E402
 from blockscale.models import build_model, model_config  # noqa: E402
 
@@ -141,7 +141,7 @@ class TimeLimit:
 
     One alarm is not enough: its exception can land where something catches it and goes on. A
     weakref callback or __del__ that the garbage collector runs mid-step only prints what it
-    raises (and a signal that comes during a long collection is handled in the first such
+    raises (and a signal that comes during a long collection can be handled in the first such
     callback); an `except Exception` in Dynamo or the model moves on. The step then runs on,
     into a stalled compile perhaps, with no alarm left. So the alarm repeats every
     min(seconds, 1 s) until the block ends, and a block that ends past the limit without
@@ -542,7 +542,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for r in names:
         recipes.get(r)  # an unknown name fails before any model is built
     modes = ["eager"] if args.eager else ["compile"] if args.compile else ["eager", "compile"]
-    _registry.INLINE_TRITON_KERNELS = args.inline_triton
+    _library.INLINE_TRITON_KERNELS = args.inline_triton
     ops_linear = importlib.import_module("blockscale.ops.linear")
     ops_linear.SHARE_INPUT_QUANTIZATION = not args.no_shared_input
     ops_linear.RECOMPUTE_WEIGHT = not args.no_recompute_weight

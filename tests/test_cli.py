@@ -26,7 +26,7 @@ def python_m_blockscale(*args: str) -> subprocess.CompletedProcess:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # a hang guard: 34 s measured on one loaded core
         env=ONE_THREAD,
     )
 

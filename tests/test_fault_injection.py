@@ -333,7 +333,8 @@ sys.exit(main(sys.argv[1:]))
 """
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = [sys.executable, "-c", driver, "train", *cli_flags(run_dir)]
-    killed = subprocess.run(run, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    # Hang guards, not time limits: 41 s measured on one core beside a CPU-bound process.
+    killed = subprocess.run(run, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     resumed = subprocess.run(
         [sys.executable, "-m", "blockscale", "train", "--resume", "--quiet", "--out", str(run_dir)],
@@ -341,7 +342,7 @@ sys.exit(main(sys.argv[1:]))
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
     assert resumed.returncode == 0, resumed.stderr
     assert_same_run(run_dir, reference)
