@@ -59,7 +59,7 @@ import harness  # noqa: E402
 import replaced  # noqa: E402
 import tiles  # noqa: E402
 
-from blockscale import _library, recipes  # noqa: E402
+from blockscale import _registry, recipes  # noqa: E402
 from blockscale import nn as bsnn  # noqa: E402
 from blockscale.models import build_model, model_config  # noqa: E402
 
@@ -542,7 +542,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for r in names:
         recipes.get(r)  # an unknown name fails before any model is built
     modes = ["eager"] if args.eager else ["compile"] if args.compile else ["eager", "compile"]
-    _library.INLINE_TRITON_KERNELS = args.inline_triton
+    _registry.INLINE_TRITON_KERNELS = args.inline_triton
     ops_linear = importlib.import_module("blockscale.ops.linear")
     ops_linear.SHARE_INPUT_QUANTIZATION = not args.no_shared_input
     ops_linear.RECOMPUTE_WEIGHT = not args.no_recompute_weight
