@@ -28,11 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 import blockscale as bs
 from blockscale.distributed import apply_tensor_parallel, check_tensor_parallel
 from blockscale.distributed._collectives import all_reduce_amax
 from blockscale.distributed.launch import run_local
+from blockscale.distributed.tp import stacked_full_tensor
 from blockscale.models import ModelConfig, build_model, model_config
 from blockscale.ops import quantize_operand
 from blockscale.train.build import build_optimizer
@@ -105,6 +107,9 @@ def _block_step(block, x: torch.Tensor, grad: torch.Tensor, cos, sin) -> dict:
 
 
 def _whole(p: torch.Tensor) -> torch.Tensor:
+    # A stacked weight's `_StridedShard`: torch 2.11's full_tensor() refuses it on a 1-D mesh.
+    if any(isinstance(x, _StridedShard) for x in getattr(p, "placements", ())):
+        return stacked_full_tensor(p)
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
