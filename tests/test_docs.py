@@ -13,13 +13,8 @@ LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def pages() -> list[Path]:
-    """Every markdown page under docs/, except the run folders' files and the log fragments
-    in docs/log/ (dated entries waiting to be merged into LOG.md)."""
-    return sorted(
-        p
-        for p in DOCS.rglob("*.md")
-        if "runs" not in p.relative_to(DOCS).parts and p.relative_to(DOCS).parts[0] != "log"
-    )
+    """Every markdown page under docs/, except the run folders' files."""
+    return sorted(p for p in DOCS.rglob("*.md") if "runs" not in p.relative_to(DOCS).parts)
 
 
 def unfenced(text: str) -> str:

@@ -112,5 +112,9 @@ def test_the_readme_commands_parse():
 
 
 def test_the_readme_test_command_is_what_ci_runs():
-    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
-    assert f"{ci}\n" in blocks("bash"), ci
+    """.ci/run runs the README's test command as written, then (README, "What runs where") the
+    torch 2.11 tests in a second environment."""
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    readme_commands = [b for b in blocks("bash") if "pytest" in b]
+    assert len(readme_commands) == 1, readme_commands
+    assert readme_commands[0].strip() in lines, readme_commands[0]
