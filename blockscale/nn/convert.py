@@ -86,7 +86,6 @@ def convert(
     """
     require_recipe(recipe)
     counts = {"total": 0, "converted": 0, "expert_total": 0, "expert_converted": 0}
-    swapped: dict[int, nn.Module] = {}
     # No policy: find the LM head as layer_policy would, to say that it gets quantized.
     heads = _lm_head_finder(model) if module_filter_fn is None and recipe.quantized else None
 
@@ -134,30 +133,7 @@ def convert(
 
     def wanted_experts(module: nn.Module, fqn: str, weights: dict[str, nn.Parameter]) -> list[str]:
         counts["expert_total"] += len(weights)
-        config = getattr(module, "config", None)
-        implementation = getattr(config, "_experts_implementation", None)
-        if type(module).__module__.startswith("transformers.") and not hasattr(
-            config, "_experts_implementation"
-        ):
-            # a transformers experts class outside its experts-implementation registry (Llama
-            # 4's, 5.x) multiplies with bmm or a loop: it makes no grouped_mm call for the
-            # wrapped weights to intercept, so wrapping it would quantize nothing
-            logger.warning(
-                "%s stays in high precision: transformers' %s takes no "
-                "experts_implementation, so its forward never calls grouped_mm, and only "
-                "grouped_mm calls are routed",
-                fqn or "<root>",
-                type(module).__name__,
-            )
-            return []
-        if implementation not in (None, "grouped_mm"):
-            logger.warning(
-                "%s stays in high precision: it runs experts_implementation=%r and only "
-                "grouped_mm calls are routed (build the model with "
-                "experts_implementation='grouped_mm')",
-                fqn or "<root>",
-                implementation,
-            )
+        if _experts_not_routable(module, fqn):
             return []
         if not chosen(module, fqn):
             return []
@@ -230,6 +206,36 @@ def convert(
         recipe.name,
     )
     return model
+
+
+def _experts_not_routable(module: nn.Module, fqn: str) -> bool:
+    """Whether an experts module's forward makes no grouped_mm call to route (said once)."""
+    config = getattr(module, "config", None)
+    implementation = getattr(config, "_experts_implementation", None)
+    if type(module).__module__.startswith("transformers.") and not hasattr(
+        config, "_experts_implementation"
+    ):
+        # a transformers experts class outside its experts-implementation registry (Llama
+        # 4's, 5.x) multiplies with bmm or a loop: it makes no grouped_mm call for the
+        # wrapped weights to intercept, so wrapping it would quantize nothing
+        logger.warning(
+            "%s stays in high precision: transformers' %s takes no "
+            "experts_implementation, so its forward never calls grouped_mm, and only "
+            "grouped_mm calls are routed",
+            fqn or "<root>",
+            type(module).__name__,
+        )
+        return True
+    if implementation not in (None, "grouped_mm"):
+        logger.warning(
+            "%s stays in high precision: it runs experts_implementation=%r and only "
+            "grouped_mm calls are routed (build the model with "
+            "experts_implementation='grouped_mm')",
+            fqn or "<root>",
+            implementation,
+        )
+        return True
+    return False
 
 
 def _set_recipe(module: Linear, recipe: Recipe) -> Linear:
