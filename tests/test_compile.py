@@ -433,6 +433,13 @@ def test_library_ops_dispatch_without_python_wrappers():
 
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("blockscale::")]
+    # The unquantized experts' grouped GEMM under a trace (nn/experts.py,
+    # `_high_precision_grouped_mm`) is a custom_op with its own autograd formula on purpose:
+    # autograd must see it, and it runs only where nothing is quantized, not in the kernels'
+    # ~900 calls a step that this test is about.
+    high_precision = "blockscale::grouped_mm_high_precision"
+    assert high_precision in names, names
+    names = [n for n in names if not n.startswith(high_precision)]
     assert {"blockscale::nvfp4_quantize_2d", "blockscale::gemm_fused"} <= set(names), names
     for name in names:
         assert has(name, "CompositeExplicitAutograd"), name
