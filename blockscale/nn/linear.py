@@ -106,7 +106,12 @@ def _clear_after_load(module: nn.Module, incompatible_keys: object) -> None:
 def set_weight_cache(model: nn.Module, enabled: bool, keep_dq: bool = False) -> int:
     """Give every converted linear and expert weight of `model` a new, empty weight cache
     (`keep_dq`: it keeps the `_dq` operands too), or none (enabled=False: each use quantizes
-    the weight again). Returns how many modules were set."""
+    the weight again). Returns how many modules were set.
+
+    >>> model = bs.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), bs.recipes.get("nvfp4"))
+    >>> bs.nn.set_weight_cache(model, False)  # quantize the weight at every use instead
+    1
+    """
     count = 0
     for module in model.modules():
         if hasattr(module, "weight_cache"):
@@ -119,7 +124,14 @@ def clear_weight_cache(model: nn.Module) -> int:
     """Drop the quantized copies every weight cache in `model` holds (needed only after a
     weight change that neither an optimizer step, `load_state_dict` nor the version counter
     shows: a write through `p.data`, or a checkpoint loaded into an FSDP2 model's shards
-    without `load_state_dict`). Returns how many caches were cleared."""
+    without `load_state_dict`). Returns how many caches were cleared.
+
+    >>> model = bs.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), bs.recipes.get("nvfp4"))
+    >>> with torch.no_grad():
+    ...     _ = model[0].weight.data.mul_(0.5)  # a write the version counter does not show
+    >>> bs.nn.clear_weight_cache(model)
+    1
+    """
     count = 0
     for module in model.modules():
         cache = getattr(module, "weight_cache", None)
