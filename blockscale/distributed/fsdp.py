@@ -265,6 +265,18 @@ class GatherLayout:
         return MXFP8Tensor(data, scale, shape)
 
 
+def _used_on_current_stream(tensors: list[torch.Tensor | None]) -> None:
+    """Tell CUDA's caching allocator that `tensors`, allocated on another stream, are read on
+    the current one: without it, a block freed here can be handed to that other stream's next
+    allocation and overwritten before this stream has read it. Seen on two GPUs: without this,
+    nvfp4 losses under quantized all-gather moved from run to run once the allocator had
+    freed blocks to hand out (a second model in the process), and differed from plain FSDP2's;
+    with it they equal them bit for bit (docs/DISTRIBUTED.md, "Two-GPU measurements")."""
+    for t in tensors:
+        if t is not None and t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+
+
 class ShardedWeight(torch.Tensor):
     """The FP32 (master) weight of a quantized layer, as FSDP2 shards it: every op sees the
     wrapped tensor, and FSDP's all-gather sends it quantized (see the module docstring).
@@ -366,6 +378,9 @@ class ShardedWeight(torch.Tensor):
     ) -> tuple[QuantizedWeight, tuple[torch.Tensor, ...]] | None:
         layout, amax, local = metadata
         outputs = all_gather_outputs if local is None else local
+        # The amax (and, on one rank, the inputs) were made in fsdp_pre_all_gather, which FSDP
+        # runs on its all-gather copy-in stream; they are read here on the compute stream.
+        _used_on_current_stream([amax, *(local or ())])
         weight, built = layout.assemble(outputs, amax, param_dtype)
         if out is not None:
             if not isinstance(out, QuantizedWeight):
