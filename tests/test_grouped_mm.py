@@ -137,6 +137,20 @@ def test_kernel_path_equals_loop_of_linear(name, monkeypatch):
     _check_tail(out, gx, end)
 
 
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8"])
+def test_kernel_path_with_no_tokens(name, monkeypatch):
+    # An expert-parallel rank may be sent no tokens for its experts in a micro-batch (seen on
+    # two GPUs: Triton's TMA descriptor refused the empty operand, "shape must be positive").
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.zeros(0, 64), torch.randn(3, 64, 64, generator=g)
+    offs = torch.zeros(3, dtype=torch.int32)
+    calls = _kernels_on(monkeypatch)
+    out, gx, gw = _grouped_step(x, w, torch.zeros(0, 64), offs, RECIPES[name])
+    assert calls, "the kernel path was never taken"
+    assert out.shape == (0, 64) and gx.shape == (0, 64)
+    assert gw.shape == w.shape and not gw.any(), "no tokens: a zero weight gradient"
+
+
 @pytest.mark.parametrize("hadamard", [False, True], ids=["plain", "hadamard"])
 def test_kernel_quantizations_equal_formats(hadamard):
     """Both copies of a grouped activation and the expert weights, bit for bit."""

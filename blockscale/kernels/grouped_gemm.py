@@ -280,6 +280,9 @@ def _grouped_gemm_rows(
 ) -> None:
     M, K = a.shape
     E, N, _ = b.shape
+    if not (M and N and K):  # no rows (an expert-parallel rank sent no tokens) or nothing
+        out.zero_()  # to add: TMA descriptors take no empty dim
+        return
     bm, bn, bk, warps, stages = ROWS_CONFIG
     b_kmajor = b.stride(2) == 1
     b_read = b if b_kmajor else b.transpose(1, 2)
@@ -323,9 +326,12 @@ def _grouped_gemm_tokens(
     amax_b: torch.Tensor | None,
     out: torch.Tensor,
 ) -> None:
-    N, _ = a.shape
+    N, P = a.shape
     K = b.shape[0]
     E = seg_ends.shape[0]
+    if not (N and K and P):  # no tokens at all: every segment is empty, its gradient zero
+        out.zero_()
+        return
     bm, bn, bk, warps, stages = TOKENS_CONFIG
     for name, t in (("a", a), ("b", b), ("out", out)):
         _check_tma(name, t)
