@@ -224,6 +224,31 @@ def test_a_time_limit_pauses_and_resume_finishes(tmp_path):
     assert done["status"] == "done" and [r["step"] for r in rows(tmp_path, "train")] == [1, 2, 3, 4]
 
 
+def test_deterministic_holds_for_the_run_and_is_undone_after(tmp_path, monkeypatch):
+    # `--deterministic` (CUDA runs that repeat bit for bit, and 2-rank runs equal to one
+    # process): on for the whole run, from before the model is built, and off again after,
+    # so a library caller's process is left as it was.
+    from blockscale.train import loop
+
+    seen = []
+    build = loop.build.build_model
+
+    def recording(cfg, device):
+        seen.append(("build", torch.are_deterministic_algorithms_enabled()))
+        return build(cfg, device)
+
+    monkeypatch.setattr(loop.build, "build_model", recording)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # restored after the test
+    assert not torch.are_deterministic_algorithms_enabled()
+    cfg = TrainConfig(steps=1, batch_size=2, seq_len=32, eval_every=0, max_data_bytes=50_000)
+    train(dataclasses.replace(cfg, deterministic=True), tmp_path / "on", progress=False)
+    assert not torch.are_deterministic_algorithms_enabled()
+    train(cfg, tmp_path / "off", progress=False)
+    assert seen == [("build", True), ("build", False)]
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ":4096:8"  # cuBLAS's fixed order
+    assert losses(tmp_path / "on") == losses(tmp_path / "off")  # the CPU already repeats
+
+
 def test_a_model_too_large_for_memory_is_refused_before_allocating():
     cfg = TrainConfig(model="1b", batch_size=4096)
     with pytest.raises(UsageError, match=r"model '1b' \(1029M parameters\).*needs about"):

@@ -121,6 +121,11 @@ class TrainConfig:
     keep_checkpoints: int = _f(2, "how many recent checkpoints to keep (0: all)", COUNT)
     compile: bool = _f(False, "torch.compile the model")
     device: str = _f("auto", "cpu, cuda, cuda:N, or auto")
+    deterministic: bool = _f(
+        False,
+        "CUDA: only deterministic kernels (attention's backward, cuBLAS), so a run repeats bit "
+        "for bit; slower",
+    )
     max_minutes: float = _f(
         0.0, "checkpoint and stop after this many minutes; rerun to continue (0: off)", Range(0.0)
     )
@@ -172,6 +177,7 @@ RESUMABLE = frozenset(
         "compile",
         "device",
         "binary_data",  # lets a run read what it would refuse; reads nothing else
+        "deterministic",  # the same math, summed in a fixed order
     }
 )
 

@@ -40,13 +40,16 @@ model's blocks split over the ranks (tensor parallel), which all run every micro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import signal
 import socket
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -219,12 +222,35 @@ def train(
         raise UsageError(exclusive_modes(fsdp, ep, tp))
     mode = parallelism(fsdp=fsdp, ep=ep, tp=tp)
     mode.check(cfg)
-    device = mode.join(cfg)
-    trainer = Trainer(cfg, run_dir, mode, device)
-    if resume:
-        trainer.resume()
-    trainer.prepare_run_dir()
-    return trainer.run(progress)
+    with deterministic_algorithms(cfg.deterministic):
+        device = mode.join(cfg)
+        trainer = Trainer(cfg, run_dir, mode, device)
+        if resume:
+            trainer.resume()
+        trainer.prepare_run_dir()
+        return trainer.run(progress)
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool) -> Iterator[None]:
+    """Within: torch's deterministic algorithms only, where `enabled` (`--deterministic`), so a
+    run's CUDA work repeats bit for bit. Otherwise attention's backward (flash attention's dQ,
+    added by atomics) and cuBLAS sum in an order that changes from run to run, and two runs,
+    or a 2-rank run and its one-process twin, differ in the last bits from the first backward
+    on. cuBLAS reads its workspace setting when it starts, so this is entered before the run
+    touches the GPU; blockscale's own kernels need nothing (their only atomics are integer
+    maxima, whose result does not depend on the order). The previous setting comes back on
+    exit."""
+    if not enabled:
+        yield
+        return
+    before = torch.are_deterministic_algorithms_enabled()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 class Trainer:
