@@ -12,7 +12,10 @@
 - `train`: `torchrun --nproc-per-node 2 -m blockscale train --fsdp` against one process with
   `--grad-accum 2` (the same global batch), per recipe (bf16, nvfp4, mxfp8), stochastic
   rounding off and `--grad-clip 0`: tokens/s, step time, peak memory (rank 0's) and whether
-  the loss rows are equal bit for bit.
+  the loss rows are equal bit for bit (on CUDA they need not be: attention's backward sums
+  in a varying order).
+- `exact`: the same `--fsdp` comparison, short, with `--deterministic` (train/loop.py): there
+  the loss rows must be equal bit for bit on CUDA too.
 - `tp`, `ep`: `--tp` (`small`, the ranks share one batch; one process with the same flags) and
   `--ep` (`moe-small`, `--aux-loss-coef 0`; one process with `--grad-accum 2`), nvfp4 without
   stochastic rounding: the same columns, and the largest relative loss difference.
@@ -27,6 +30,10 @@
   ratios to BF16 in the same call, and the bytes all-gathered per step counted at the
   collectives (one counting AllGather per FSDP module, installed after the timed steps), in
   total and for the groups of the converted blocks alone. `--hf-ranks 1,2` adds one GPU.
+  A (mode, recipe) that fails is a row with its error; the others still run.
+
+A failed run's rows carry its exception lines (`error`); each train run's whole stderr is kept
+in `<json stem>_stderr/` beside `--json`.
 
 `bytes`: one FSDP2 training step of the named model (every block and the root fully_shard-ed,
 the nvfp4 recipe on every linear), counting the bytes each rank receives at the all-gathers,
@@ -48,10 +55,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -249,7 +259,7 @@ def _print_cast(record: dict) -> None:
 # --------------------------------------------------------------------------- suite
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("train", "tp", "ep", "sr", "cast", "hf")
+PARTS = ("train", "exact", "tp", "ep", "sr", "cast", "hf")
 HF_SHAPES = {  # transformers LlamaConfig fields (Llama 3.2 1B; Llama 3.1 8B cut to 8 layers)
     "llama-1b": dict(
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -271,6 +281,7 @@ class SuiteSizes:
     model: str  # --fsdp, --tp and the cast
     moe_model: str  # --ep
     steps: int
+    exact_steps: int  # the `exact` part's deterministic runs
     train_flags: tuple[str, ...]  # batch and sequence flags of every train run
     hf_models: tuple[str, ...]
     hf_batch: int  # sequences per rank
@@ -287,11 +298,11 @@ class SuiteSizes:
 
 
 FULL = SuiteSizes(
-    "small", "moe-small", 30, ("--batch-size", "16"), ("llama-1b", "llama-8b-8l"), 2, 2048, 3,
+    "small", "moe-small", 30, 6, ("--batch-size", "16"), ("llama-1b", "llama-8b-8l"), 2, 2048, 3,
     6, "1b", 10,
 )  # fmt: skip
 SMOKE = SuiteSizes(
-    "tiny", "moe-tiny", 3, ("--batch-size", "2", "--seq-len", "32", "--max-data-bytes", "50000"),
+    "tiny", "moe-tiny", 3, 3, ("--batch-size", "2", "--seq-len", "32", "--max-data-bytes", "50000"),
     ("llama-tiny",), 1, 32, 1, 2, "tiny", 2,
 )  # fmt: skip
 
@@ -310,8 +321,9 @@ def _launch_train(out: Path, ranks: int, mode: str | None, flags: list[str], cpu
     start = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     record: dict = {"ranks": ranks, "mode": mode, "wall_s": time.perf_counter() - start}
+    (out.parent / f"{out.name}.stderr").write_text(done.stderr)  # kept whole, beside the run
     if done.returncode != 0:
-        return {**record, "error": done.stderr[-2000:]}
+        return {**record, "error": _error_text(done.stderr), "stderr": str(out) + ".stderr"}
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     tokens_per_step = summary["tokens"] / summary["steps"]
@@ -324,6 +336,27 @@ def _launch_train(out: Path, ranks: int, mode: str | None, flags: list[str], cpu
         "peak_gib": summary["peak_memory_gib"],
         "device": summary["device"],
     }
+
+
+def _error_text(text: str) -> str:
+    """What a failed run said: every distinct exception line of its ranks' tracebacks (torchrun
+    ends with its own summary, which names no cause), then the last lines."""
+    found: list[str] = []
+    for line in text.splitlines():
+        bare = re.sub(r"^\[rank\d+\]:\s*", "", line)  # torchrun's prefix on a rank's lines
+        head = bare.split(":", 1)[0].strip()
+        cause = head.endswith(("Error", "Exception", "Interrupt")) or ": error:" in bare
+        if cause and line not in found:
+            found.append(line)
+    found = [f for f in found if "ChildFailedError" not in f][:10]
+    return "\n".join(found + ["--- last lines:"] + text.splitlines()[-15:])
+
+
+def _first_error(row: dict) -> str:
+    """The first exception line of a row's error (its own, or its runs'), or ''."""
+    errors = [row.get("error")] + [row[k].get("error") for k in ("two", "one") if k in row]
+    text = next((e for e in errors if e), "")
+    return text.splitlines()[0][:300] if text else ""
 
 
 def _compare(sharded: dict, one: dict) -> dict:
@@ -342,16 +375,17 @@ def _compare(sharded: dict, one: dict) -> dict:
 
 
 def _suite_train(sizes: SuiteSizes, tmp: Path, cpu: bool, part: str) -> list[dict]:
-    base = [*sizes.run_flags, "--steps", str(sizes.steps), *sizes.train_flags]
+    steps = sizes.exact_steps if part == "exact" else sizes.steps
+    base = [*sizes.run_flags, "--steps", str(steps), *sizes.train_flags]
+    if part == "exact":  # the same math summed in a fixed order on CUDA (train/loop.py)
+        base.append("--deterministic")
     exact = ["--no-stochastic-rounding", "--grad-clip", "0"]
-    if part == "train":
-        cases = [
-            (r, "--fsdp", sizes.model, ["--recipe", r, "--grad-clip", "0"], ["--grad-accum", "2"])
+    if part in ("train", "exact"):
+        cases = [  # stochastic rounding is an nvfp4 switch only
+            (r, "--fsdp", sizes.model, ["--recipe", r, *(exact if r == "nvfp4" else exact[1:])],
+             ["--grad-accum", "2"])
             for r in sizes.recipes
-        ]
-        for case in cases:
-            if case[0] == "nvfp4":
-                case[3].append("--no-stochastic-rounding")
+        ]  # fmt: skip
     elif part == "tp":
         cases = [("nvfp4", "--tp", sizes.model, ["--recipe", "nvfp4", *exact], [])]
     else:
@@ -360,11 +394,11 @@ def _suite_train(sizes: SuiteSizes, tmp: Path, cpu: bool, part: str) -> list[dic
     results = []
     for recipe, mode, model, flags, one_flags in cases:
         common = [*base, "--model", model, *flags]
-        name = f"{part}-{recipe}"
+        name = f"{part}-{mode[2:]}-{recipe}"
         two = _launch_train(tmp / f"{name}-2", 2, mode, common, cpu)
         one = _launch_train(tmp / f"{name}-1", 1, None, [*common, *one_flags], cpu)
         results.append(
-            {"part": part, "recipe": recipe, "model": model, "two": two, "one": one,
+            {"part": part, "mode": mode, "recipe": recipe, "model": model, "two": two, "one": one,
              **_compare(two, one)}
         )  # fmt: skip
     return results
@@ -493,17 +527,20 @@ def _hf_worker(rank: int, world_size: int, sizes: SuiteSizes, shape: str, out: s
                 fully_shard(layer, mesh=mesh, mp_policy=policy)
             fully_shard(model, mesh=mesh, mp_policy=policy)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-            row = _hf_measure(model, opt, tokens, sizes, device)
-            results.append(
-                {"model": shape, "ranks": world_size, "mode": mode, "recipe": recipe,
-                 "converted_blocks": sorted(converted), **row}
-            )  # fmt: skip
+            key = {"model": shape, "ranks": world_size, "mode": mode, "recipe": recipe}
+            try:  # every rank runs the same code, so a compile error stops all of them alike
+                row = _hf_measure(model, opt, tokens, sizes, device)
+            except Exception:  # noqa: BLE001 (a row that failed, recorded; the rest still run)
+                results.append({**key, "error": _error_text(traceback.format_exc())})
+            else:
+                results.append({**key, "converted_blocks": sorted(converted), **row})
             del model, opt
+            dist.barrier()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
+            if rank == 0:  # after every row: a call cut short keeps the rows it measured
+                with open(out, "w") as f:
+                    json.dump(results, f)
 
 
 def _counting_all_gather():
@@ -535,12 +572,15 @@ def _suite_hf(sizes: SuiteSizes, tmp: Path, cpu: bool, ranks: list[int]) -> list
             try:
                 run_local(_hf_worker, n, sizes, shape, out, device="cpu" if cpu else "cuda")
             except Exception as e:  # one shape failing (memory, say) leaves the others
-                rows.append({"model": shape, "ranks": n, "error": str(e)[-2000:]})
+                rows.append({"model": shape, "ranks": n, "error": _error_text(str(e))})
+            if not os.path.exists(out):
                 continue
             with open(out) as f:
                 found = json.load(f)
             for r in found:  # ratios to BF16 of the same shape, ranks and mode, in this call
                 base = next(b for b in found if b["mode"] == r["mode"] and b["recipe"] == "bf16")
+                if "error" in r or "error" in base:
+                    continue
                 r["tokens_per_s_vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
                 if r["peak_gib"] and base["peak_gib"]:
                     r["peak_vs_bf16"] = r["peak_gib"] / base["peak_gib"]
@@ -558,18 +598,18 @@ def _suite_hf(sizes: SuiteSizes, tmp: Path, cpu: bool, ranks: list[int]) -> list
 
 def _print_suite(record: dict) -> None:
     parts = record["parts"]
-    runs = [r for p in ("train", "tp", "ep") for r in parts.get(p, [])]
+    runs = [r for p in ("train", "exact", "tp", "ep") for r in parts.get(p, [])]
     if runs:
         print("\ntrain: 2 ranks against one process, the same global batch")
         harness.print_table(
             [
-                {"run": f"{r['part']} {r['model']} {r['recipe']}",
+                {"run": f"{r['part']} {r.get('mode', '')} {r['model']} {r['recipe']}",
                  "tok/s 2 ranks": r["two"].get("tokens_per_s"),
                  "tok/s one": r["one"].get("tokens_per_s"),
                  "ratio": r.get("tokens_per_s_vs_one"),
                  "step ms 2": r["two"].get("step_ms"), "step ms one": r["one"].get("step_ms"),
                  "peak GiB 2": r["two"].get("peak_gib"), "peak GiB one": r["one"].get("peak_gib"),
-                 "losses equal": r.get("losses_bit_equal", r.get("error", "")[:40]),
+                 "losses equal": r.get("losses_bit_equal", "error"),
                  "max rel diff": r.get("max_rel_loss_diff")}
                 for r in runs
             ],  # fmt: skip
@@ -594,9 +634,8 @@ def _print_suite(record: dict) -> None:
              "peak_gib", "peak_vs_bf16", "all_gather_bytes", "all_gather_vs_bf16",
              "converted_blocks_all_gather_vs_bf16"],
         )  # fmt: skip
-    failed = [
-        (p, r.get("error", "")[:200]) for p, rs in parts.items() for r in rs if "error" in r
-    ] + [(p, why) for p, why in record["skipped"].items()]
+    failed = [(p, _first_error(r)) for p, rs in parts.items() for r in rs if _first_error(r)]
+    failed += [(p, why) for p, why in record["skipped"].items()]
     for p, why in failed:
         print(f"{p}: {why}")
 
@@ -607,6 +646,8 @@ def suite(args: argparse.Namespace) -> dict:
         sizes = SuiteSizes(**{**sizes.__dict__, "recipes": tuple(args.recipes.split(","))})
     if args.hf_modes:
         sizes = SuiteSizes(**{**sizes.__dict__, "hf_modes": tuple(args.hf_modes.split(","))})
+    if args.hf_batch:
+        sizes = SuiteSizes(**{**sizes.__dict__, "hf_batch": args.hf_batch})
     if args.hf_models:
         sizes = SuiteSizes(**{**sizes.__dict__, "hf_models": tuple(args.hf_models.split(","))})
     cpu = not args.cuda
@@ -629,7 +670,7 @@ def suite(args: argparse.Namespace) -> dict:
             record["skipped"][part] = f"not started: {elapsed:.0f} s past --budget-s"
             continue
         t0 = time.perf_counter()
-        if part in ("train", "tp", "ep"):
+        if part in ("train", "exact", "tp", "ep"):
             rows = _suite_train(sizes, tmp, cpu, part)
         elif part == "sr":
             rows = _suite_sr(sizes, tmp, cpu)
@@ -640,6 +681,11 @@ def suite(args: argparse.Namespace) -> dict:
             rows = _suite_hf(sizes, tmp, cpu, ranks)
         record["parts"][part] = rows
         record["part_seconds"][part] = time.perf_counter() - t0
+        if args.json:  # each train run's whole stderr, beside the JSON
+            logs = Path(args.json).with_suffix("").with_name(Path(args.json).stem + "_stderr")
+            logs.mkdir(parents=True, exist_ok=True)
+            for f in tmp.glob("*.stderr"):
+                shutil.copy(f, logs / f.name)
         print(f"{part}: {record['part_seconds'][part]:.0f} s", flush=True)
         if args.json:
             harness.write_json(args.json, record)
@@ -667,6 +713,7 @@ def main() -> None:
     parser.add_argument("--hf-models", help=f"suite: comma-separated of {','.join(HF_SHAPES)}")
     parser.add_argument("--hf-modes", help="suite: comma-separated [eager,compiled]")
     parser.add_argument("--hf-ranks", default="2", help="suite: rank counts for hf [2]")
+    parser.add_argument("--hf-batch", type=int, help="suite: hf sequences per rank [2]")
     parser.add_argument("--budget-s", type=float, default=0, help="suite: start no part after")
     args = parser.parse_args()
     if args.what == "suite":

@@ -31,6 +31,9 @@
 #                                      quantized recipe: compiling it; give it two at a time)
 #                                      RECIPES=nvfp4-no-hadamard,... times the study's ablations
 #                                      instead (bf16 always runs first: the ratios are to it)
+#   scripts/gpu_check.sh dist OUT      two GPUs: the gpu-marked distributed tests (NCCL), then
+#                                      bench_distributed.py suite --parts "${PARTS:-exact,ep}"
+#                                      (HF_MODELS=llama-1b,... for the hf part)        (~6 min)
 #
 # Each part writes OUT/PART.log (and its JSON) and ends with the part's own table; the exit
 # status is the first failing command's (124/137: past STEP_TIMEOUT, 570 s a command).
@@ -39,7 +42,7 @@ set -uo pipefail
 PYTHON=${PYTHON:-python3}
 part=${1:-}
 out=${2:-}
-[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -107,7 +110,12 @@ moe)
 train)
     step "$PYTHON" benchmarks/bench_train.py --model small --batch-size 32 --compile \
         --recipes "${RECIPES:-bf16,nvfp4,mxfp8,nvfp4_fwd_mxfp8_bwd}" --json "$out/bench_train.json" ;;
-*) echo "unknown part '$part': tests, kernels, ab, sweep, linear, models, cublas, moe or train" >&2
+dist)
+    [ "${TESTS:-1}" = 1 ] && step "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider \
+        tests/test_distributed_*.py
+    step "$PYTHON" benchmarks/bench_distributed.py suite --parts "${PARTS:-exact,ep}" \
+        --hf-models "${HF_MODELS:-llama-1b,llama-8b-8l}" --json "$out/bench_distributed.json" ;;
+*) echo "unknown part '$part': tests, kernels, ab, sweep, linear, models, cublas, moe, train or dist" >&2
    exit 2 ;;
 esac
 echo "gpu_check $part: exit status $status (log $log)"
