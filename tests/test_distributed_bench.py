@@ -51,3 +51,30 @@ def test_suite_smoke_runs_every_part(tmp_path):
     assert nvfp4["all_gather_vs_bf16"] < 1 and nvfp4["tokens_per_s_vs_bf16"] > 0
     assert "train: 2 ranks against one process" in done.stdout
     assert "transformers Llama under FSDP2" in done.stdout
+
+
+def test_a_failed_run_reports_its_ranks_exception_lines():
+    # torchrun ends a failed launch with its own summary, which names no cause; the ranks'
+    # lines carry a `[rankN]:` prefix. Both GPU failures of 2026-11-27 hid behind that.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_distributed
+
+    stderr = "\n".join(
+        [
+            "[rank0]: Traceback (most recent call last):",
+            '[rank0]:   File "x.py", line 1, in <module>',
+            "[rank0]: AssertionError: shape must be positive",
+            "[rank1]: AssertionError: shape must be positive",
+            "blockscale train: error: out of memory on cuda:0 at step 3",
+            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+            "  exitcode  : 1 (pid: 838)",
+        ]
+    )
+    text = bench_distributed._error_text(stderr)
+    causes = text.split("\n--- last lines:")[0].splitlines()
+    assert causes == [
+        "[rank0]: AssertionError: shape must be positive",
+        "[rank1]: AssertionError: shape must be positive",
+        "blockscale train: error: out of memory on cuda:0 at step 3",
+    ]
+    assert bench_distributed._first_error({"two": {"error": text}, "one": {}}) == causes[0]
