@@ -204,3 +204,44 @@ def test_transformers_llama_under_fsdp_on_two_gpus():
         ("qwen3_moe", "nvfp4", True, True, "fused"),
     ]
     run_local(_hf_worker, WORLD, cases, device="cuda")
+
+
+def _compiled_worker(rank: int, world_size: int, recipe: str) -> None:
+    # The benchmark's setup (bench_distributed.py's `hf` part): each decoder layer compiled
+    # (`layer.compile()`, Inductor's defaults), FSDP2 with quantized all-gather, so the
+    # linears get QuantizedWeights inside compiled code. With a cold compile cache this failed
+    # in Dynamo on torch 2.11 ("sources must not be empty for symbol"), on GPUs and on the CPU;
+    # the caches are off here so that every compile is a first one.
+    torch._inductor.config.force_disable_caches = True
+    device = _device()
+    mesh = init_device_mesh(device.type, (world_size,))
+    tokens = torch.randint(0, VOCAB, (2, 2, 33), generator=torch.Generator().manual_seed(rank))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = hf_model("llama").to(device)
+        convert(model, "llama", recipe)
+        enable_quantized_all_gather(model)
+        for layer in model.model.layers:
+            if compiled:
+                layer.compile()
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        opt = _optimizer(model.parameters(), "foreach")
+        losses = []
+        for step in range(2):
+            loss = _loss(model, tokens[step].to(device))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append(losses)
+    # Inductor's default fast math in the unquantized ops: close to eager, not equal.
+    assert torch.allclose(torch.tensor(runs[1]), torch.tensor(runs[0]), rtol=1e-2), runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["nvfp4"])
+def test_compiled_layers_under_fsdp_compile_on_a_cold_cache(recipe):
+    run_local(_compiled_worker, 1, recipe)

@@ -13,7 +13,7 @@ graph, which AOTAutograd traces: the same ops, without Dynamo interpreting the q
 Python per layer (the bulk of a converted model's extra compile time). The recipe goes in as
 a `RecipeConstant`, kept beside it; assigning `recipe` replaces both, and a compiled model
 then recompiles. A weight that is a tensor subclass (FSDP2's quantized all-gather, NVFP4
-primary weights) is traced by Dynamo as before.
+primary weights) runs `linear` eagerly at a graph break (`_linear_at_a_graph_break` says why).
 
 Weight cache (ops/weight_cache.py): each layer keeps its weight's quantized copies in
 `weight_cache` from the first use after the weight changes to the next optimizer step, so
@@ -87,7 +87,9 @@ class Linear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self.quantize_enabled:
             return F.linear(input, self.weight, self.bias)
-        if torch.compiler.is_dynamo_compiling() and _plain(input) and _plain(self.weight):
+        if torch.compiler.is_dynamo_compiling():
+            if not (_plain(input) and _plain(self.weight)):
+                return _linear_at_a_graph_break(input, self.weight, self.bias, self.recipe)
             bias = () if self.bias is None else (self.bias,)
             return compiled_linear(self._recipe_constant, input, self.weight, *bias)
         cache = None if torch.compiler.is_compiling() else self.weight_cache
@@ -144,3 +146,15 @@ def clear_weight_cache(model: nn.Module) -> int:
 def _plain(t: torch.Tensor) -> bool:
     """Not a tensor subclass (a Parameter is not one here)."""
     return type(t) in (torch.Tensor, nn.Parameter)
+
+
+@torch.compiler.disable
+def _linear_at_a_graph_break(input, weight, bias, recipe) -> torch.Tensor:
+    """`linear` run eagerly inside a compiled model, for a weight or input that is a tensor
+    subclass (FSDP2's quantized all-gather and NVFP4 primary weights hand the layer a
+    `QuantizedWeight`). `compiled_linear` cannot take one (torch 2.11's nonstrict_trace
+    refuses the call: "Unsupported output type"), and letting Dynamo trace `linear` itself
+    broke it into pieces recompiled per weight shape, one of which failed on the first
+    compile with a fresh cache ("sources must not be empty for symbol", building guards for
+    a size of the subclass's scales; seen on two GPUs and reproduced on the CPU)."""
+    return linear(input, weight, bias, recipe)
