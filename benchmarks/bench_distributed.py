@@ -447,12 +447,7 @@ def _hf_measure(model, opt, tokens: torch.Tensor, sizes: SuiteSizes, device) -> 
     from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
 
     def step() -> torch.Tensor:
-        logits = model(tokens[:, :-1]).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
+        return hf_step(model, opt, tokens)
 
     start = time.perf_counter()
     for _ in range(sizes.hf_warmup):
@@ -488,45 +483,75 @@ def _hf_measure(model, opt, tokens: torch.Tensor, sizes: SuiteSizes, device) -> 
     }
 
 
-def _hf_worker(rank: int, world_size: int, sizes: SuiteSizes, shape: str, out: str) -> None:
-    """Every (recipe, mode) of one transformers Llama shape under the user's FSDP2."""
+def hf_step(model, opt, tokens: torch.Tensor) -> torch.Tensor:
+    """One training step of a transformers causal LM on `tokens` [B, T+1]: FP32 cross-entropy,
+    backward, optimizer step; returns the loss."""
+    logits = model(tokens[:, :-1]).logits
+    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def hf_tokens(shape: str, batch: int, seq: int, rank: int, device: torch.device):
+    """The LlamaConfig of a HF_SHAPES entry and this rank's random tokens [batch, seq + 1]."""
     import transformers  # noqa: PLC0415
-    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+
+    config = transformers.LlamaConfig(
+        **HF_SHAPES[shape], max_position_embeddings=max(seq, 64), attn_implementation="sdpa",
+        use_cache=False,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=g)
+    return config, tokens.to(device)
+
+
+def hf_llama_under_fsdp(config, recipe: str, compiled: bool, mesh, device: torch.device):
+    """A random transformers Llama as a user shards it: converted with `layer_policy` (unless
+    bf16) and quantized all-gather enabled, then `fully_shard` per decoder layer (compiled
+    first when `compiled`) and on the root with MixedPrecisionPolicy(bf16, reduce fp32), fused
+    AdamW (the CPU has one too). Returns the model, its optimizer and the indices of its converted blocks."""
+    import transformers  # noqa: PLC0415
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
 
     from blockscale import recipes  # noqa: PLC0415
 
+    torch.manual_seed(0)
+    with device:
+        model = transformers.LlamaForCausalLM(config)
+    converted: set[int] = set()
+    if recipe != "bf16":
+        bsnn.convert(model, recipes.get(recipe), module_filter_fn=bsnn.layer_policy(model))
+        enable_quantized_all_gather(model)
+        converted = {
+            i for i, layer in enumerate(model.model.layers)
+            if any(isinstance(m, bsnn.Linear) and m.recipe.quantized for m in layer.modules())
+        }  # fmt: skip
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        if compiled:
+            layer.compile()
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    return model, opt, converted
+
+
+def _hf_worker(rank: int, world_size: int, sizes: SuiteSizes, shape: str, out: str) -> None:
+    """Every (recipe, mode) of one transformers Llama shape under the user's FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+
     device = _device()
     mesh = init_device_mesh(device.type, (world_size,))
-    config = transformers.LlamaConfig(
-        **HF_SHAPES[shape], max_position_embeddings=max(sizes.hf_seq, 64),
-        attn_implementation="sdpa", use_cache=False,
-    )  # fmt: skip
-    g = torch.Generator().manual_seed(rank)
-    tokens = torch.randint(0, config.vocab_size, (sizes.hf_batch, sizes.hf_seq + 1), generator=g)
-    tokens = tokens.to(device)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    config, tokens = hf_tokens(shape, sizes.hf_batch, sizes.hf_seq, rank, device)
     results = []
     for mode in sizes.hf_modes:
         for recipe in ("bf16", *(r for r in sizes.recipes if r != "bf16")):  # bf16: the base
-            torch.manual_seed(0)
             torch._dynamo.reset()
-            with device:
-                model = transformers.LlamaForCausalLM(config)
-            converted: set[int] = set()
-            if recipe != "bf16":
-                bsnn.convert(model, recipes.get(recipe), module_filter_fn=bsnn.layer_policy(model))
-                enable_quantized_all_gather(model)
-                converted = {
-                    i for i, layer in enumerate(model.model.layers)
-                    if any(isinstance(m, bsnn.Linear) and m.recipe.quantized for m in layer.modules())
-                }  # fmt: skip
-            for layer in model.model.layers:
-                if mode == "compiled":
-                    layer.compile()
-                fully_shard(layer, mesh=mesh, mp_policy=policy)
-            fully_shard(model, mesh=mesh, mp_policy=policy)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+            model, opt, converted = hf_llama_under_fsdp(
+                config, recipe, mode == "compiled", mesh, device
+            )
             key = {"model": shape, "ranks": world_size, "mode": mode, "recipe": recipe}
             try:  # every rank runs the same code, so a compile error stops all of them alike
                 row = _hf_measure(model, opt, tokens, sizes, device)
@@ -682,7 +707,7 @@ def suite(args: argparse.Namespace) -> dict:
         record["parts"][part] = rows
         record["part_seconds"][part] = time.perf_counter() - t0
         if args.json:  # each train run's whole stderr, beside the JSON
-            logs = Path(args.json).with_suffix("").with_name(Path(args.json).stem + "_stderr")
+            logs = Path(args.json).with_name(Path(args.json).stem + "_stderr")
             logs.mkdir(parents=True, exist_ok=True)
             for f in tmp.glob("*.stderr"):
                 shutil.copy(f, logs / f.name)

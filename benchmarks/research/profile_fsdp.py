@@ -29,62 +29,34 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, from anywhere
 
-from bench_distributed import HF_SHAPES  # noqa: E402
+from bench_distributed import HF_SHAPES, hf_llama_under_fsdp, hf_step, hf_tokens  # noqa: E402
 
-import blockscale as bs  # noqa: E402
-from blockscale.distributed import enable_quantized_all_gather  # noqa: E402
 from blockscale.distributed.launch import run_local  # noqa: E402
-
-
-def _step(model, opt, tokens: torch.Tensor) -> None:
-    logits = model(tokens[:, :-1]).logits
-    F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
-    opt.step()
-    opt.zero_grad()
 
 
 def _worker(rank: int, world: int, shape: str, recipes: list[str], batch: int, seq: int,
             warmup: int, out: str) -> None:  # fmt: skip
-    import transformers  # noqa: PLC0415
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
 
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     mesh = init_device_mesh(device.type, (world,))
-    config = transformers.LlamaConfig(
-        **HF_SHAPES[shape], max_position_embeddings=max(seq, 64), attn_implementation="sdpa",
-        use_cache=False,
-    )  # fmt: skip
-    g = torch.Generator().manual_seed(rank)
-    tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=g).to(device)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    config, tokens = hf_tokens(shape, batch, seq, rank, device)
     activities = [torch.profiler.ProfilerActivity.CPU]
     activities += [torch.profiler.ProfilerActivity.CUDA] if cuda else []
     for recipe in recipes:
-        torch.manual_seed(0)
-        with device:
-            model = transformers.LlamaForCausalLM(config)
-        if recipe != "bf16":
-            bs.convert(model, bs.recipes.get(recipe), module_filter_fn=bs.nn.layer_policy(model))
-            enable_quantized_all_gather(model)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
-
+        model, opt, _ = hf_llama_under_fsdp(config, recipe, False, mesh, device)
         for _ in range(warmup):
-            _step(model, opt, tokens)
+            hf_step(model, opt, tokens)
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
         with torch.profiler.profile(activities=activities) as prof:
             start = time.perf_counter()
-            _step(model, opt, tokens)
+            hf_step(model, opt, tokens)
             if cuda:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - start
