@@ -395,6 +395,76 @@ def test_training_steps_and_all_gather_bytes(tmp_path):
     assert got["bf16_nvfp4"] == expected(2, True)
 
 
+def _cache_worker(rank: int, world_size: int) -> None:
+    """The weight cache under quantized all-gather: each shard quantized once per optimizer
+    step (not at the backward's re-gather, not per micro-batch), the same losses and weights
+    as without the cache, and a stale copy never used after an in-place edit or a load."""
+    device = _device()
+    cfg = model_config("tiny")
+    data = _batches(4, world_size, cfg.vocab_size, device)
+    made = []
+    inputs = GatherLayout.inputs
+
+    def counting(self, shard, amax):
+        made.append(self.shape)
+        return inputs(self, shard, amax)
+
+    GatherLayout.inputs = counting
+    try:
+        for name in ("nvfp4", "mxfp8"):
+            models, opts = [], []
+            for cached in (True, False):
+                torch.manual_seed(0)
+                model = build_model(cfg).to(device)
+                bs.convert(model, RECIPES[name])
+                if not cached:
+                    bs.nn.set_weight_cache(model, False)
+                enable_quantized_all_gather(model)
+                _shard(model, list(model.layers), mp=True)
+                models.append(model)
+                opts.append(torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True))
+            in_blocks = {id(m) for m in models[0].layers.modules()}
+            linears = [m for m in models[0].modules() if isinstance(m, bs.nn.Linear)]
+            blocks = sum(id(m) in in_blocks for m in linears)
+            root = len(linears) - blocks
+            for step in range(2):  # 2 micro-batches a step
+                losses = []
+                for model, opt in zip(models, opts, strict=True):
+                    made.clear()
+                    for micro in range(2):
+                        loss = _loss(model, data[2 * step + micro, rank])
+                        loss.backward()
+                        losses.append(loss.item())
+                    opt.step()
+                    opt.zero_grad()
+                    losses.append(len(made))
+                # without the cache, a block's weights are quantized at the forward's gather
+                # and at the backward's re-gather of each micro-batch, the root's (gathered
+                # once a micro-batch: FSDP keeps the root unsharded for the backward) at each
+                # forward; with it, each once a step
+                assert losses[2] == blocks + root, (name, losses)
+                assert losses[5] == 4 * blocks + 2 * root, (name, losses)
+                assert losses[:2] == losses[3:5], (name, step, losses)
+            for (n, p), q in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+                assert torch.equal(p.full_tensor(), q.full_tensor()), (name, n)
+            # an in-place edit and a load_state_dict, each followed by a forward
+            for model in models:
+                with torch.no_grad():
+                    model.layers[0].attn.wqkv.weight.mul_(0.5)
+            assert _loss(models[0], data[0, rank]).item() == _loss(models[1], data[0, rank]).item()
+            state = {k: v * 0.75 for k, v in models[1].state_dict().items()}
+            for model in models:
+                model.load_state_dict(state)
+            assert _loss(models[0], data[1, rank]).item() == _loss(models[1], data[1, rank]).item()
+    finally:
+        GatherLayout.inputs = inputs
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_weight_cache_quantizes_each_shard_once_a_step(world_size):
+    run_local(_cache_worker, world_size)
+
+
 @pytest.mark.gpu
 def test_fsdp_on_two_gpus(tmp_path):
     if torch.cuda.device_count() < WORLD:
@@ -402,6 +472,7 @@ def test_fsdp_on_two_gpus(tmp_path):
     run_local(_gather_worker, WORLD, device="cuda")
     run_local(_compile_worker, WORLD, device="cuda")
     run_local(_train_worker, WORLD, str(tmp_path / "bytes.json"), device="cuda")
+    run_local(_cache_worker, WORLD, device="cuda")
 
 
 def test_gathered_weights_on_one_rank_equal_one_device_quantization():

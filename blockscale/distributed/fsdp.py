@@ -77,11 +77,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from blockscale import _library
 from blockscale.distributed._collectives import all_reduce_amax
 from blockscale.distributed.weight import Container, QuantizedWeight, quantize_weight
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.nn.linear import Linear
+from blockscale.ops.weight_cache import WeightCache
 from blockscale.recipes import Format, OperandConfig, Recipe, Rounding
 
 # Ops whose results stay ShardedWeights: the ones FSDP uses to cut the shard out of the full
@@ -106,6 +108,33 @@ _KEEP_SUBCLASS = {
 }
 
 
+def _written(func: Any, args: tuple, kwargs: dict) -> dict[frozenset, Any]:
+    """The arguments a mutating op writes (a tensor, or a list for the foreach ops), by the
+    alias set its schema gives them."""
+    written = {}
+    for i, arg in enumerate(func._schema.arguments):
+        info = arg.alias_info
+        if info is not None and info.is_write and info.before_set:
+            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+            written[frozenset(info.before_set)] = value
+    return written
+
+
+def _mark_written(func: Any, args: tuple, kwargs: dict) -> None:
+    """Bump the version counter of each wrapped tensor a mutating op wrote. The op ran on the
+    wrapped tensors below autograd, where no counter moves, so without this an in-place edit
+    of a sharded parameter (`p.mul_(2)` under no_grad, a checkpoint loaded in place) would
+    leave the weight cache's stamp of the shard (ops/weight_cache.py) unchanged."""
+    for i, arg in enumerate(func._schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:  # (a foreach op's list has no alias set)
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, ShardedWeight):
+                torch.autograd.graph.increment_version(t._data)
+
+
 def _mutated_result(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     """What a mutating op returns when its plain twin returned `out`: None for the ops whose
     schema returns nothing (`_foreach_add_`, `_fused_adamw_`: their dispatch must return
@@ -114,12 +143,7 @@ def _mutated_result(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     schema = func._schema
     if not schema.returns:
         return None
-    written = {}
-    for i, arg in enumerate(schema.arguments):
-        info = arg.alias_info
-        if info is not None and info.is_write and info.before_set:
-            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-            written[frozenset(info.before_set)] = value
+    written = _written(func, args, kwargs)
     outs = out if isinstance(out, tuple) else (out,)
     results = []
     for ret, value in zip(schema.returns, outs, strict=True):
@@ -212,14 +236,33 @@ class GatherLayout:
 
     def inputs(self, shard: torch.Tensor, amax: torch.Tensor | None) -> list[torch.Tensor]:
         """The shard's all-gather inputs: codes and scales per copy, each with rows first."""
-        out = []
-        row = quantize_weight(shard, self.rowwise, False, amax)
+        row, col = self._quantize(shard, amax)
         scale = row.scale[::16] if self.rowwise.block == "16x16" else row.scale
-        out += [row.data, scale]
-        if self.columnwise is not None:
-            col = quantize_weight(shard, self.columnwise, True, amax)
+        out = [row.data, scale]
+        if col is not None:
             out += [col.data, col.scale]
         return [_as_bytes(t, torch.Tensor.contiguous) for t in out]
+
+    def _quantize(
+        self, shard: torch.Tensor, amax: torch.Tensor | None
+    ) -> tuple[Container, Container | None]:
+        """The rowwise and columnwise copies of the shard. Where the kernels run and both
+        copies are of one format, from one kernel launch that reads the shard once (the same
+        kernel as two launches with one direction each, so the same bits); a launch costs
+        tens of microseconds of host time, and an all-gather makes one per weight."""
+        row_cfg, col_cfg = self.rowwise, self.columnwise
+        kernels = _library.kernels() if _library.use_kernels(shard) else None
+        if kernels is not None and col_cfg is not None and col_cfg.format is row_cfg.format:
+            if row_cfg.format is Format.MXFP8:
+                return kernels.mxfp8_quantize_both(shard)
+            return kernels.nvfp4_quantize_both(
+                shard,
+                rowwise={"block": row_cfg.block, "amax": amax},
+                columnwise={"block": col_cfg.block, "amax": amax},
+            )
+        row = quantize_weight(shard, row_cfg, False, amax)
+        col = None if col_cfg is None else quantize_weight(shard, col_cfg, True, amax)
+        return row, col
 
     # ------------------------------------------------------------------- after the gather
 
@@ -238,12 +281,18 @@ class GatherLayout:
         columnwise = None
         if self.columnwise is not None:
             w = self.world_size
-            # Each rank sent [K, N/W]-shaped blocks; put the W column blocks side by side.
-            data_t, scale_t = (
-                _as_bytes(t, lambda b: b.view(w, k, -1).permute(1, 0, 2).reshape(k, -1))
-                for t in outputs[2:4]
-            )
-            built += [data_t, scale_t]
+            if w == 1:
+                # One rank: its own [K, N] inputs, as views. Not handed to FSDP as built
+                # tensors, since FSDP frees those at the reshard, and the inputs may be held
+                # by the layer's weight cache for the next all-gather.
+                data_t, scale_t = (_as_bytes(t, lambda b: b.view(k, -1)) for t in outputs[2:4])
+            else:
+                # Each rank sent [K, N/W]-shaped blocks; put the W column blocks side by side.
+                data_t, scale_t = (
+                    _as_bytes(t, lambda b: b.view(w, k, -1).permute(1, 0, 2).reshape(k, -1))
+                    for t in outputs[2:4]
+                )
+                built += [data_t, scale_t]
             columnwise = (
                 self.columnwise,
                 self._container(self.columnwise, data_t, scale_t, amax, torch.Size((k, n))),
@@ -263,6 +312,14 @@ class GatherLayout:
             assert amax is not None
             return NVFP4Tensor(data, scale, amax.clone(), shape, config.block)
         return MXFP8Tensor(data, scale, shape)
+
+
+@dataclass(frozen=True)
+class _GatherInputs:
+    """What a weight cache keeps of one shard's all-gather: the inputs and the amax."""
+
+    inputs: tuple[torch.Tensor, ...]
+    amax: torch.Tensor | None
 
 
 def _used_on_current_stream(tensors: list[torch.Tensor | None]) -> None:
@@ -322,6 +379,7 @@ class ShardedWeight(torch.Tensor):
         plain_args, plain_kwargs = tree_map_only(ShardedWeight, lambda t: t._data, (args, kwargs))
         out = func(*plain_args, **plain_kwargs)
         if func._schema.is_mutable:
+            _mark_written(func, args, kwargs)
             # In place, out= and the optimizers' foreach / fused ops wrote the wrapped tensors;
             # the caller gets what the op's schema returns, in terms of its own arguments.
             return _mutated_result(func, args, kwargs, out)
@@ -362,11 +420,33 @@ class ShardedWeight(torch.Tensor):
                 f"rows of {world_size} equal shards; a quantized all-gather needs FSDP's "
                 "default Shard(0) placement"
             )
-        amax = _shard_amax(shard, mesh.get_group()) if layout.needs_amax else None
-        inputs = tuple(layout.inputs(shard, amax))
+        inputs, amax = self._quantized_shard(shard, layout, module, mesh)
         # On a one-rank mesh FSDP2 runs no collective and hands the post hook only the first
         # input (torch 2.13); a one-rank gather is the input itself, so keep them all here.
         return inputs, (layout, amax, inputs if world_size == 1 else None)
+
+    @staticmethod
+    def _quantized_shard(
+        shard: torch.Tensor, layout: GatherLayout, module: nn.Module, mesh: Any
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """The shard's all-gather inputs and its weight's amax: made at the first all-gather
+        after the weight changed, then taken from the layer's weight cache
+        (ops/weight_cache.py) by every later one until the next optimizer step, so the
+        backward's re-gather and further micro-batches neither quantize the shard again nor
+        all-reduce its amax. The same bits: the same call on the same unchanged shard. Every
+        rank decides alike (the same optimizer steps, loads and edits on every rank), so the
+        amax all-reduce is skipped by all ranks together or by none."""
+        cache = getattr(module, "weight_cache", None)
+        stamp = cache.stamp(shard) if isinstance(cache, WeightCache) else None
+        key = ("fsdp_all_gather", layout)
+        held = None if stamp is None else cache.get(stamp, key)
+        if held is not None:
+            return held.inputs, held.amax
+        amax = _shard_amax(shard, mesh.get_group()) if layout.needs_amax else None
+        inputs = tuple(layout.inputs(shard, amax))
+        if stamp is not None:
+            cache.put(stamp, key, _GatherInputs(inputs, amax))
+        return inputs, amax
 
     def fsdp_post_all_gather(
         self,

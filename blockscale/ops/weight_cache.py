@@ -189,7 +189,12 @@ def _packed(op: Any) -> Any:
 
 
 def _tensors(op: Any) -> list[torch.Tensor]:
-    return [v for v in vars(op).values() if isinstance(v, torch.Tensor)]
+    found = []
+    for v in vars(op).values():
+        for t in v if isinstance(v, (tuple, list)) else (v,):
+            if isinstance(t, torch.Tensor):
+                found.append(t)
+    return found
 
 
 def clear_all() -> None:
