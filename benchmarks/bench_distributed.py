@@ -29,7 +29,9 @@
   (bf16), eager and with each decoder layer compiled: tokens/s and peak memory per GPU as
   ratios to BF16 in the same call, and the bytes all-gathered per step counted at the
   collectives (one counting AllGather per FSDP module, installed after the timed steps), in
-  total and for the groups of the converted blocks alone. `--hf-ranks 1,2` adds one GPU.
+  total and for the groups of the converted blocks alone. `--hf-ranks 1,2` adds FSDP2 on one
+  GPU; `0` adds one GPU without FSDP (FP32 masters under BF16 autocast, the same per-GPU batch
+  and mode): the one-GPU ratios the FSDP2 rows are to match.
   A (mode, recipe) that fails is a row with its error; the others still run.
 
 A failed run's rows carry its exception lines (`error`); each train run's whole stderr is kept
@@ -440,14 +442,16 @@ def _suite_cast(sizes: SuiteSizes, tmp: Path, cpu: bool) -> list[dict]:
         return [{"part": "cast", "model": sizes.cast_model, "ranks": 2, **json.load(f)}]
 
 
-def _hf_measure(model, opt, tokens: torch.Tensor, sizes: SuiteSizes, device) -> dict:
+def _hf_measure(
+    model, opt, tokens: torch.Tensor, sizes: SuiteSizes, device, autocast: bool = False
+) -> dict:
     """Warm-up steps, timed steps (the slowest rank), the peak memory (the largest), then one
     step with counting all-gathers installed (after the timing: the custom all-gather is not
     FSDP's default path)."""
     from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
 
     def step() -> torch.Tensor:
-        return hf_step(model, opt, tokens)
+        return hf_step(model, opt, tokens, autocast)
 
     start = time.perf_counter()
     for _ in range(sizes.hf_warmup):
@@ -483,11 +487,13 @@ def _hf_measure(model, opt, tokens: torch.Tensor, sizes: SuiteSizes, device) -> 
     }
 
 
-def hf_step(model, opt, tokens: torch.Tensor) -> torch.Tensor:
+def hf_step(model, opt, tokens: torch.Tensor, autocast: bool = False) -> torch.Tensor:
     """One training step of a transformers causal LM on `tokens` [B, T+1]: FP32 cross-entropy,
-    backward, optimizer step; returns the loss."""
-    logits = model(tokens[:, :-1]).logits
-    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    backward, optimizer step; returns the loss. `autocast`: the forward under BF16 autocast
+    (a model without FSDP's MixedPrecisionPolicy)."""
+    with torch.autocast(tokens.device.type, torch.bfloat16, enabled=autocast):
+        logits = model(tokens[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
     opt.step()
     opt.zero_grad()
@@ -511,7 +517,9 @@ def hf_llama_under_fsdp(config, recipe: str, compiled: bool, mesh, device: torch
     """A random transformers Llama as a user shards it: converted with `layer_policy` (unless
     bf16) and quantized all-gather enabled, then `fully_shard` per decoder layer (compiled
     first when `compiled`) and on the root with MixedPrecisionPolicy(bf16, reduce fp32), fused
-    AdamW (the CPU has one too). Returns the model, its optimizer and the indices of its converted blocks."""
+    AdamW (the CPU has one too). mesh=None: the same model on one device without FSDP (FP32
+    parameters; step it with autocast). Returns the model, its optimizer and the indices of
+    its converted blocks."""
     import transformers  # noqa: PLC0415
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
 
@@ -523,7 +531,8 @@ def hf_llama_under_fsdp(config, recipe: str, compiled: bool, mesh, device: torch
     converted: set[int] = set()
     if recipe != "bf16":
         bsnn.convert(model, recipes.get(recipe), module_filter_fn=bsnn.layer_policy(model))
-        enable_quantized_all_gather(model)
+        if mesh is not None:
+            enable_quantized_all_gather(model)
         converted = {
             i for i, layer in enumerate(model.model.layers)
             if any(isinstance(m, bsnn.Linear) and m.recipe.quantized for m in layer.modules())
@@ -532,18 +541,23 @@ def hf_llama_under_fsdp(config, recipe: str, compiled: bool, mesh, device: torch
     for layer in model.model.layers:
         if compiled:
             layer.compile()
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        if mesh is not None:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    if mesh is not None:
+        fully_shard(model, mesh=mesh, mp_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     return model, opt, converted
 
 
-def _hf_worker(rank: int, world_size: int, sizes: SuiteSizes, shape: str, out: str) -> None:
-    """Every (recipe, mode) of one transformers Llama shape under the user's FSDP2."""
+def _hf_worker(
+    rank: int, world_size: int, sizes: SuiteSizes, shape: str, out: str, fsdp: bool = True
+) -> None:
+    """Every (recipe, mode) of one transformers Llama shape under the user's FSDP2 (or, with
+    fsdp=False, on one device without it)."""
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
 
     device = _device()
-    mesh = init_device_mesh(device.type, (world_size,))
+    mesh = init_device_mesh(device.type, (world_size,)) if fsdp else None
     config, tokens = hf_tokens(shape, sizes.hf_batch, sizes.hf_seq, rank, device)
     results = []
     for mode in sizes.hf_modes:
@@ -552,9 +566,10 @@ def _hf_worker(rank: int, world_size: int, sizes: SuiteSizes, shape: str, out: s
             model, opt, converted = hf_llama_under_fsdp(
                 config, recipe, mode == "compiled", mesh, device
             )
-            key = {"model": shape, "ranks": world_size, "mode": mode, "recipe": recipe}
+            key = {"model": shape, "ranks": world_size, "fsdp": fsdp, "mode": mode,
+                   "recipe": recipe}  # fmt: skip
             try:  # every rank runs the same code, so a compile error stops all of them alike
-                row = _hf_measure(model, opt, tokens, sizes, device)
+                row = _hf_measure(model, opt, tokens, sizes, device, autocast=not fsdp)
             except Exception:  # noqa: BLE001 (a row that failed, recorded; the rest still run)
                 results.append({**key, "error": _error_text(traceback.format_exc())})
             else:
@@ -592,10 +607,11 @@ def _counting_all_gather():
 def _suite_hf(sizes: SuiteSizes, tmp: Path, cpu: bool, ranks: list[int]) -> list[dict]:
     rows = []
     for shape in sizes.hf_models:
-        for n in ranks:
+        for n in ranks:  # 0: one device without FSDP
             out = str(tmp / f"hf-{shape}-{n}.json")
             try:
-                run_local(_hf_worker, n, sizes, shape, out, device="cpu" if cpu else "cuda")
+                run_local(_hf_worker, max(n, 1), sizes, shape, out, n > 0,
+                          device="cpu" if cpu else "cuda")  # fmt: skip
             except Exception as e:  # one shape failing (memory, say) leaves the others
                 rows.append({"model": shape, "ranks": n, "error": _error_text(str(e))})
             if not os.path.exists(out):
@@ -655,7 +671,7 @@ def _print_suite(record: dict) -> None:
         print("\ntransformers Llama under FSDP2 (ratios to BF16 of the same shape, ranks and mode)")
         harness.print_table(
             hf,
-            ["model", "ranks", "mode", "recipe", "tokens_per_s", "tokens_per_s_vs_bf16",
+            ["model", "ranks", "fsdp", "mode", "recipe", "tokens_per_s", "tokens_per_s_vs_bf16",
              "peak_gib", "peak_vs_bf16", "all_gather_bytes", "all_gather_vs_bf16",
              "converted_blocks_all_gather_vs_bf16"],
         )  # fmt: skip
@@ -737,7 +753,9 @@ def main() -> None:
     parser.add_argument("--recipes", help="suite: comma-separated [bf16,nvfp4,mxfp8]")
     parser.add_argument("--hf-models", help=f"suite: comma-separated of {','.join(HF_SHAPES)}")
     parser.add_argument("--hf-modes", help="suite: comma-separated [eager,compiled]")
-    parser.add_argument("--hf-ranks", default="2", help="suite: rank counts for hf [2]")
+    parser.add_argument(
+        "--hf-ranks", default="2", help="suite: rank counts for hf, 0 = one GPU without FSDP [2]"
+    )
     parser.add_argument("--hf-batch", type=int, help="suite: hf sequences per rank [2]")
     parser.add_argument("--budget-s", type=float, default=0, help="suite: start no part after")
     args = parser.parse_args()

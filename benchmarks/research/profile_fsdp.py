@@ -18,11 +18,14 @@ A Chrome trace per recipe is written to --out (open in chrome://tracing or Perfe
 
     python benchmarks/research/profile_fsdp.py --ranks 2 --shape llama-1b --out /tmp/prof
     python benchmarks/research/profile_fsdp.py --ranks 2 --shape llama-tiny --cpu   # CPU check
+    python benchmarks/research/profile_fsdp.py --ranks 0 ...   # one device, no FSDP (autocast)
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -38,31 +41,47 @@ from blockscale.distributed.launch import run_local  # noqa: E402
 
 
 def _worker(rank: int, world: int, shape: str, recipes: list[str], batch: int, seq: int,
-            warmup: int, out: str) -> None:  # fmt: skip
+            warmup: int, out: str, fsdp: bool, python: bool) -> None:  # fmt: skip
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
 
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    mesh = init_device_mesh(device.type, (world,))
+    mesh = init_device_mesh(device.type, (world,)) if fsdp else None
     config, tokens = hf_tokens(shape, batch, seq, rank, device)
     activities = [torch.profiler.ProfilerActivity.CPU]
     activities += [torch.profiler.ProfilerActivity.CUDA] if cuda else []
     for recipe in recipes:
         model, opt, _ = hf_llama_under_fsdp(config, recipe, False, mesh, device)
         for _ in range(warmup):
-            hf_step(model, opt, tokens)
+            hf_step(model, opt, tokens, autocast=not fsdp)
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
+        if python:  # where the host's Python time goes, per function
+            profiler = cProfile.Profile()
+            profiler.enable()
+            hf_step(model, opt, tokens, autocast=not fsdp)
+            if cuda:
+                torch.cuda.synchronize()
+            profiler.disable()
+            if rank == 0:
+                print(f"\n=== {recipe}: Python functions, one step (cProfile)")
+                stats = pstats.Stats(profiler).strip_dirs()
+                stats.sort_stats("tottime").print_stats(35)
+                stats.sort_stats("cumulative").print_stats(45)
+            del model, opt
+            dist.barrier()
+            continue
         with torch.profiler.profile(activities=activities) as prof:
             start = time.perf_counter()
-            hf_step(model, opt, tokens)
+            hf_step(model, opt, tokens, autocast=not fsdp)
             if cuda:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - start
         if rank == 0:
             _report(recipe, wall, prof, cuda)
-            prof.export_chrome_trace(str(Path(out) / f"trace_{shape}_{world}ranks_{recipe}.json"))
+            ranks = f"{world}ranks" if fsdp else "nofsdp"
+            prof.export_chrome_trace(str(Path(out) / f"trace_{shape}_{ranks}_{recipe}.json"))
         del model, opt
         if cuda:
             torch.cuda.empty_cache()
@@ -85,17 +104,21 @@ def _report(recipe: str, wall: float, prof, cuda: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="llama-1b", choices=sorted(HF_SHAPES))
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=2, help="0: one device without FSDP")
     parser.add_argument("--recipes", default="bf16,nvfp4")
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--cpu", action="store_true", help="gloo ranks on the CPU (a check)")
+    parser.add_argument(
+        "--python", action="store_true", help="cProfile one step instead (host Python time)"
+    )
     parser.add_argument("--out", default=".", help="folder for the Chrome traces")
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    run_local(_worker, args.ranks, args.shape, args.recipes.split(","), args.batch, args.seq,
-              args.warmup, args.out, device="cpu" if args.cpu else "cuda")  # fmt: skip
+    run_local(_worker, max(args.ranks, 1), args.shape, args.recipes.split(","), args.batch, args.seq,
+              args.warmup, args.out, args.ranks > 0, args.python,
+              device="cpu" if args.cpu else "cuda")  # fmt: skip
 
 
 if __name__ == "__main__":
