@@ -785,7 +785,9 @@ def test_gpu_hf_compiled_with_fp32_masters_under_autocast_tracks_eager(backend, 
     compiled, compiled_calls = run(compiled=True)
     fp32 = (torch.float32, torch.float32)  # the input is cast to the weight's dtype
     assert eager_calls == [[fp32] * 4] * 3  # 2 blocks x (gate_up, down) every step
-    assert compiled_calls[0] == [fp32] * 4  # traced once, into the compiled graph
+    # traced into the compiled graph: every call FP32, at least one per GEMM (a trace may
+    # run the router's Python more than once: the GPU's compile ran it three times a GEMM)
+    assert set(compiled_calls[0]) == {fp32} and len(compiled_calls[0]) % 4 == 0
     rel = lambda a, b: ((a - b).abs() / b.abs()).max().item()  # noqa: E731
     if backend == "aot_eager":
         assert torch.equal(compiled, eager), (compiled, eager)
