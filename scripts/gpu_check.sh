@@ -33,7 +33,9 @@
 #                                      instead (bf16 always runs first: the ratios are to it)
 #   scripts/gpu_check.sh dist OUT      two GPUs: the gpu-marked distributed tests (NCCL), then
 #                                      bench_distributed.py suite --parts "${PARTS:-exact,ep}"
-#                                      (HF_MODELS=llama-1b,... for the hf part)        (~6 min)
+#                                      (HF_MODELS=llama-1b,..., HF_RANKS [0,2: one GPU
+#                                      without FSDP, and 2 ranks], HF_BATCH, HF_MODES and
+#                                      TAG, a suffix of the JSON's name, for the hf part) (~6 min)
 #
 # Each part writes OUT/PART.log (and its JSON) and ends with the part's own table; the exit
 # status is the first failing command's (124/137: past STEP_TIMEOUT, 570 s a command).
@@ -42,7 +44,7 @@ set -uo pipefail
 PYTHON=${PYTHON:-python3}
 part=${1:-}
 out=${2:-}
-[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,41p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -114,7 +116,9 @@ dist)
     [ "${TESTS:-1}" = 1 ] && step "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider \
         tests/test_distributed_*.py
     step "$PYTHON" benchmarks/bench_distributed.py suite --parts "${PARTS:-exact,ep}" \
-        --hf-models "${HF_MODELS:-llama-1b,llama-8b-8l}" --json "$out/bench_distributed.json" ;;
+        --hf-models "${HF_MODELS:-llama-1b,llama-8b-8l}" --hf-ranks "${HF_RANKS:-0,2}" \
+        ${HF_BATCH:+--hf-batch "$HF_BATCH"} ${HF_MODES:+--hf-modes "$HF_MODES"} \
+        --json "$out/bench_distributed${TAG:+_$TAG}.json" ;;
 *) echo "unknown part '$part': tests, kernels, ab, sweep, linear, models, cublas, moe, train or dist" >&2
    exit 2 ;;
 esac
