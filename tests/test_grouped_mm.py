@@ -151,6 +151,39 @@ def test_kernel_path_with_no_tokens(name, monkeypatch):
     assert gw.shape == w.shape and not gw.any(), "no tokens: a zero weight gradient"
 
 
+def test_kernel_specialization_does_not_follow_the_row_count(monkeypatch):
+    # Triton compiles a kernel again for every new set of constexpr values. An expert-parallel
+    # rank gets another row count at every step, so no constexpr of the grouped GEMMs may
+    # follow it: PROGRAMS once did (the tile count), and `--ep` recompiled every step (0.07x of
+    # one GPU on two H200s).
+    from blockscale.kernels import grouped_gemm as kernels_gg
+
+    seen: dict[str, list[dict]] = {}
+
+    class Recording:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.setdefault(self.name, []).append(kwargs)
+                return self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    for name in ("_rows_kernel", "_tokens_kernel"):
+        monkeypatch.setattr(kernels_gg, name, Recording(name, getattr(kernels_gg, name)))
+    _kernels_on(monkeypatch)
+    for sizes in ([44, 0, 117], [20, 9, 3]):
+        x, w, grad, offs = _data(sizes, 5, k=64, n=64)
+        _grouped_step(x, w, grad, offs, RECIPES["nvfp4"])
+    assert set(seen) == {"_rows_kernel", "_tokens_kernel"}, seen.keys()
+    for name, launches in seen.items():
+        half = len(launches) // 2
+        assert half and len(launches) == 2 * half, (name, len(launches))
+        assert launches[:half] == launches[half:], (name, launches)
+
+
 @pytest.mark.parametrize("hadamard", [False, True], ids=["plain", "hadamard"])
 def test_kernel_quantizations_equal_formats(hadamard):
     """Both copies of a grouped activation and the expert weights, bit for bit."""

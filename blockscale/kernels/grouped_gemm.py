@@ -300,16 +300,30 @@ def _grouped_gemm_rows(
     b_desc = _descriptor(b_read, [1, bn, bk] if b_kmajor else [1, bk, bn])
     has_alpha = amax_a is not None
     persistent = bf16 and (ROWS_PERSISTENT_KMAJOR if b_kmajor else ROWS_PERSISTENT_NMAJOR)
-    programs = _programs(a.device, tiles) if persistent else tiles
+    programs, programs_key = _grid(a.device, tiles, persistent)
     _rows_kernel[(programs,)](
         a_desc, b_desc, dst, out.stride(0), offs, tile_ends, amax_a if has_alpha else offs,
         amax_b if has_alpha else offs, M, N, K, E, num_pid_n, HAS_ALPHA=has_alpha, OUT_BF16=bf16, ASM=not interpreting(),
         B_KMAJOR=b_kmajor, DOT_F32=interpreting() or a.dtype == torch.float32,
         INTERPRET=interpreting(), SEARCH_STEPS=(E + 1).bit_length(),
-        BM=bm, BN=bn, BK=bk, PERSISTENT=persistent, PROGRAMS=programs, FLATTEN=persistent,
+        BM=bm, BN=bn, BK=bk, PERSISTENT=persistent, PROGRAMS=programs_key, FLATTEN=persistent,
         GROUP_M=ROWS_GROUP_M_KMAJOR if b_kmajor else ROWS_GROUP_M_NMAJOR,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
+
+
+def _grid(device: torch.device, tiles: int, persistent: bool) -> tuple[int, int]:
+    """(programs to launch, the PROGRAMS constexpr). A constexpr is part of Triton's
+    specialization key, so it must not follow the problem's size: under expert parallelism
+    a rank's row count changes at every step, and a PROGRAMS that followed it (the tile
+    count, or min(tiles, SMs)) compiled the kernel again at every new size, a second or so
+    each (`--ep` at 0.07x of one GPU on two H200s). Persistent: one program per SM whatever
+    the tile count (those past the last tile exit at once); otherwise one per tile, with
+    PROGRAMS unused and fixed."""
+    if not persistent:
+        return tiles, 1
+    programs = _programs(device, 1 << 30)  # every SM (4 programs in the interpreter)
+    return programs, programs
 
 
 @_grouped_gemm_rows.op.register_fake
@@ -341,7 +355,7 @@ def _grouped_gemm_tokens(
     has_alpha = amax_a is not None
     tiles = E * num_pid_m * num_pid_n
     persistent = bf16 and TOKENS_PERSISTENT
-    programs = _programs(a.device, tiles) if persistent else tiles
+    programs, programs_key = _grid(a.device, tiles, persistent)
     if persistent:
         stages = min(stages, TOKENS_PERSISTENT_STAGES)
     if E:
@@ -351,7 +365,7 @@ def _grouped_gemm_tokens(
             num_pid_m, num_pid_n, HAS_ALPHA=has_alpha, OUT_BF16=bf16, ASM=not interpreting(),
             DOT_F32=interpreting() or a.dtype == torch.float32, INTERPRET=interpreting(),
             GROUP_M=TOKENS_GROUP_M, BM=bm, BN=bn, BK=bk, PERSISTENT=persistent,
-            PROGRAMS=programs, num_warps=warps, num_stages=stages,
+            PROGRAMS=programs_key, num_warps=warps, num_stages=stages,
         )  # fmt: skip
 
 
