@@ -29,7 +29,11 @@ one place they can live. Then, at each all-gather, on every rank:
    [r*N/W, (r+1)*N/W) of the [N, K] weight, with that amax: the shard's blocks are whole
    blocks of the full weight, so its codes and scales are exactly the full quantization's
    rows. The all-gather inputs are the packed codes and the scales (16x16: one E4M3 scale per
-   tile, not repeated on its 16 rows).
+   tile, not repeated on its 16 rows). The layer's weight cache (ops/weight_cache.py) keeps
+   them, with the amax, until the shard changes (an optimizer step, a load, an in-place
+   write: `__torch_dispatch__` bumps the shard's version counter on every write), so the
+   backward's re-gather and later micro-batches skip step 1 (`set_weight_cache(model,
+   False)` turns that off).
 2. FSDP all-gathers them (one collective per FSDP group, as for BF16 parameters).
 3. `fsdp_post_all_gather` assembles a `QuantizedWeight` (distributed/weight.py) of the dtype
    FSDP asks for (the MixedPrecisionPolicy's param_dtype, else the shard's): codes and scales

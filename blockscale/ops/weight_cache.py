@@ -37,7 +37,9 @@ trace (a compiled graph computes its quantizations; Python state cannot enter it
 weight that arrives quantized or is any tensor subclass (FSDP2's quantized all-gather,
 primary weights, DTensor), for a tensor-parallel weight shard (its amax is reduced over ranks
 in each forward), and for a weight computed in the forward from something the cache cannot
-follow to a parameter.
+follow to a parameter. Under FSDP2's quantized all-gather the layer's cache holds something
+else instead: its shard's all-gather inputs and amax (distributed/fsdp.py), stamped by the
+FP32 shard, so the backward's re-gather and later micro-batches do not quantize it again.
 
 Memory (docs/KERNELS.md, "Weight cache"): the cache holds the packed codes and scales of each
 copy, 0.5625 bytes per weight value for NVFP4 and 1.03 for MXFP8, between the first use and
