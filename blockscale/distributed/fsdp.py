@@ -81,12 +81,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from blockscale import _library
 from blockscale.distributed._collectives import all_reduce_amax
 from blockscale.distributed.weight import Container, QuantizedWeight, quantize_weight
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.nn.linear import Linear
+from blockscale.ops.quantize import operand_amax, quantize_rows_and_tokens
 from blockscale.ops.weight_cache import WeightCache
 from blockscale.recipes import Format, OperandConfig, Recipe, Rounding
 
@@ -112,16 +112,14 @@ _KEEP_SUBCLASS = {
 }
 
 
-def _written(func: Any, args: tuple, kwargs: dict) -> dict[frozenset, Any]:
-    """The arguments a mutating op writes (a tensor, or a list for the foreach ops), by the
-    alias set its schema gives them."""
-    written = {}
+def _write_args(func: Any, args: tuple, kwargs: dict):
+    """(alias set, value) of each argument a mutating op writes: a tensor, or a list for the
+    foreach ops (whose lists have an empty alias set)."""
     for i, arg in enumerate(func._schema.arguments):
         info = arg.alias_info
-        if info is not None and info.is_write and info.before_set:
+        if info is not None and info.is_write:
             value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-            written[frozenset(info.before_set)] = value
-    return written
+            yield frozenset(info.before_set), value
 
 
 def _mark_written(func: Any, args: tuple, kwargs: dict) -> None:
@@ -129,11 +127,7 @@ def _mark_written(func: Any, args: tuple, kwargs: dict) -> None:
     wrapped tensors below autograd, where no counter moves, so without this an in-place edit
     of a sharded parameter (`p.mul_(2)` under no_grad, a checkpoint loaded in place) would
     leave the weight cache's stamp of the shard (ops/weight_cache.py) unchanged."""
-    for i, arg in enumerate(func._schema.arguments):
-        info = arg.alias_info
-        if info is None or not info.is_write:  # (a foreach op's list has no alias set)
-            continue
-        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+    for _, value in _write_args(func, args, kwargs):
         for t in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(t, ShardedWeight):
                 torch.autograd.graph.increment_version(t._data)
@@ -147,7 +141,7 @@ def _mutated_result(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     schema = func._schema
     if not schema.returns:
         return None
-    written = _written(func, args, kwargs)
+    written = {key: value for key, value in _write_args(func, args, kwargs) if key}
     outs = out if isinstance(out, tuple) else (out,)
     results = []
     for ret, value in zip(schema.returns, outs, strict=True):
@@ -157,16 +151,16 @@ def _mutated_result(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     return tuple(results) if isinstance(out, tuple) else results[0]
 
 
+# Any plain NVFP4 config: what `operand_amax` reads of it is the format (no Hadamard: a
+# weight's copies are never transformed).
+_NVFP4_WEIGHT = OperandConfig(Format.NVFP4)
+
+
 def _shard_amax(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """max |w| over the whole weight from its shards: one all-reduce of a scalar (none on a
-    one-rank group). The amax kernel where the kernels run: one launch and no |w| temporary;
-    a maximum is exact either way."""
-    if not shard.numel():
-        local = shard.new_zeros(())
-    elif _library.use_kernels(shard):
-        local = _library.kernels().amax(shard)
-    else:
-        local = shard.abs().amax()
+    one-rank group). `operand_amax`: the amax kernel where the kernels run (one launch, no
+    |w| temporary), else formats'; a maximum is exact either way."""
+    local = operand_amax(shard, _NVFP4_WEIGHT) if shard.numel() else shard.new_zeros(())
     if dist.get_world_size(group) == 1:
         return local.float()
     return all_reduce_amax(local.float(), group)
@@ -259,23 +253,19 @@ class GatherLayout:
     def _quantize(
         self, shard: torch.Tensor, amax: torch.Tensor | None
     ) -> tuple[Container, Container | None]:
-        """The rowwise and columnwise copies of the shard. Where the kernels run and both
-        copies are of one format, from one kernel launch that reads the shard once (the same
-        kernel as two launches with one direction each, so the same bits); a launch costs
-        tens of microseconds of host time, and an all-gather makes one per weight."""
-        row_cfg, col_cfg = self.rowwise, self.columnwise
-        kernels = _library.kernels() if _library.use_kernels(shard) else None
-        if kernels is not None and col_cfg is not None and col_cfg.format is row_cfg.format:
-            if row_cfg.format is Format.MXFP8:
-                return kernels.mxfp8_quantize_both(shard)
-            return kernels.nvfp4_quantize_both(
-                shard,
-                rowwise={"block": row_cfg.block, "amax": amax},
-                columnwise={"block": col_cfg.block, "amax": amax},
-            )
-        row = quantize_weight(shard, row_cfg, False, amax)
-        col = None if col_cfg is None else quantize_weight(shard, col_cfg, True, amax)
-        return row, col
+        """The rowwise and columnwise copies of the shard, packed only. Both copies come
+        through `ops.quantize_rows_and_tokens`, which makes them from one kernel launch where
+        their formats allow (the same bits as two launches; a launch costs tens of
+        microseconds of host time, and an all-gather makes one per weight)."""
+        if self.columnwise is None:
+            return quantize_weight(shard, self.rowwise, False, amax), None
+        row_amax, col_amax = (
+            amax if c.format is Format.NVFP4 else None for c in (self.rowwise, self.columnwise)
+        )
+        return quantize_rows_and_tokens(
+            shard, self.rowwise, self.columnwise, row_amax=row_amax, tokens_amax=col_amax,
+            row_dq=False,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------- after the gather
 

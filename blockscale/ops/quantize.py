@@ -201,6 +201,7 @@ def _both_from_one_read(
     tokens_dq: bool,
     row_amax: torch.Tensor | None,
     tokens_amax: torch.Tensor | None,
+    row_dq: bool = True,
 ) -> tuple[QuantizedOperand, QuantizedOperand] | None:
     """Both copies from one kernel pass over x, where the formats allow it; else None."""
     if not _library.use_kernels(x) or row.format is not tokens.format or row.hadamard:
@@ -212,12 +213,12 @@ def _both_from_one_read(
             x,
             rowwise=dict(_nvfp4_options(row), amax=row_amax),
             columnwise=dict(_nvfp4_options(tokens), hadamard=tokens.hadamard, amax=tokens_amax),
-            return_dq=(True, tokens_dq),
+            return_dq=(row_dq, tokens_dq),
             generator=generator,
         )
     elif row.format is Format.MXFP8:
         (q_row, dq_row), (q_tok, dq_tok) = _kernels().mxfp8_quantize_both(
-            x, return_dq=(True, tokens_dq)
+            x, return_dq=(row_dq, tokens_dq)
         )
     else:
         return None
@@ -233,11 +234,13 @@ def quantize_rows_and_tokens(
     tokens_dq: bool = False,
     row_amax: torch.Tensor | None = None,
     tokens_amax: torch.Tensor | None = None,
+    row_dq: bool = True,
 ) -> tuple[QuantizedOperand | None, QuantizedOperand | None]:
     """The two copies of a [M, C] activation: along C per `row`, and along M (zero-padded to
     the block) per `tokens`, stored [C, M']. A None config skips that copy. The row copy
-    feeds a GEMM now (its `_dq` is made with it); `tokens_dq` says whether the token copy does
-    too (backward) or is saved (forward). Stochastic draws: the row copy first.
+    feeds a GEMM now (its `_dq` is made with it, unless `row_dq=False`: an FSDP2 weight shard
+    only travels packed); `tokens_dq` says whether the token copy does too (backward) or is
+    saved (forward). Stochastic draws: the row copy first.
 
     `row_amax` / `tokens_amax` (NVFP4 copies only; None: the copy's own): the tensor amaxes to
     scale with, as `quantize_operand`'s `amax`. They are two different amaxes when the token
@@ -249,12 +252,14 @@ def quantize_rows_and_tokens(
     (torch.Size([20, 32]), torch.Size([32, 32]))
     """
     if row is not None and tokens is not None:
-        both = _both_from_one_read(x, row, tokens, generator, tokens_dq, row_amax, tokens_amax)
+        both = _both_from_one_read(
+            x, row, tokens, generator, tokens_dq, row_amax, tokens_amax, row_dq
+        )
         if both is not None:
             return both
     row_lp = None
     if row is not None:
-        row_lp = quantize_operand(x, row, generator=generator, dq=True, amax=row_amax)
+        row_lp = quantize_operand(x, row, generator=generator, dq=row_dq, amax=row_amax)
     tokens_lp = None
     if tokens is not None:
         tokens_lp = quantize_operand(
