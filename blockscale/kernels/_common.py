@@ -57,8 +57,14 @@ def band_tile(band):
     return tl.program_id(2) * band + tl.program_id(0), tl.program_id(1)
 
 
+# Read once, at import: Triton decides at `triton.jit` time (also an import) whether a kernel is
+# interpreted, so a later change of the variable could not switch the kernels anyway; a launch
+# asks several times, and reading os.environ costs microseconds each.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRETING
 
 
 def available(x: torch.Tensor) -> bool:

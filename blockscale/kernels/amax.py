@@ -18,6 +18,7 @@ import triton.language as tl
 from blockscale._registry import library_op
 from blockscale.formats import hadamard as rht
 from blockscale.kernels._common import abs_bits, cdiv, max_keep_nan, round_to_bf16
+from blockscale.kernels._launch import launch
 
 # (BM, BK, num_warps, tiles per program): a program reduces BM * tiles rows by BK columns
 # (the plain kernel as [BM, BK] tiles, the Hadamard one 16 rows at a time, BM a multiple of 16).
@@ -217,7 +218,7 @@ def _amax_2d(x: torch.Tensor, plain: bool, hadamard_t: bool) -> torch.Tensor:
             # grid axis 1 is capped at 65535 strips
             groups = max(bm * per_program // 16, cdiv(M // 16, 65535))
             grid = (cdiv(K, bk), cdiv(M // 16, groups))
-            torch.library.wrap_triton(_amax_rht_kernel)[grid](
+            launch(_amax_rht_kernel, grid,
                 x, x.stride(0), x.stride(1), M, K, out,
                 PLAIN=plain, SIGN_MASK=_SIGN_MASK, FLIPS=_FLIPS, FAST_BELOW=_FAST_BELOW,
                 EVEN_K=K % bk == 0, BK=bk, GROUPS=groups, num_warps=warps,
@@ -225,7 +226,7 @@ def _amax_2d(x: torch.Tensor, plain: bool, hadamard_t: bool) -> torch.Tensor:
         else:
             n_k = cdiv(K, bk)
             n_tiles = cdiv(M, bm) * n_k
-            torch.library.wrap_triton(_amax_kernel)[(cdiv(n_tiles, per_program),)](
+            launch(_amax_kernel, (cdiv(n_tiles, per_program),),
                 x, x.stride(0), x.stride(1), M, K, out, n_k, n_tiles,
                 BM=bm, BK=bk, TILES=per_program, num_warps=warps,
             )  # fmt: skip

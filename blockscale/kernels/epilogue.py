@@ -32,6 +32,7 @@ from blockscale.kernels._common import (
     nvfp4_global,
     round_to_bf16,
 )
+from blockscale.kernels._launch import launch
 
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -92,7 +93,7 @@ def _gemm_epilogue(
     grid = (cdiv(M, bm), cdiv(N, bn))
     bf16 = out.dtype == torch.bfloat16
     dst = out.view(torch.int16) if bf16 else out
-    torch.library.wrap_triton(_epilogue_kernel)[grid](
+    launch(_epilogue_kernel, grid,
         acc, amax_a if amax_a is not None else acc, amax_b if amax_b is not None else acc,
         bias if bias is not None else acc, dst,
         M, N, acc.stride(0), out.stride(0),

@@ -30,6 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from blockscale._registry import library_op
 from blockscale.kernels._common import bf16_bits, cdiv, interpreting, round_to_bf16
+from blockscale.kernels._launch import direct
 from blockscale.kernels.epilogue import _decode_scale, _mul_rn
 
 # (BM, BN, BK, GROUP_M, num_warps, num_stages, flatten, warp_specialize); `config_for` picks
@@ -236,7 +237,7 @@ def _gemm_fused(
     tiles = cdiv(M, bm) * cdiv(N, bn)
     programs = _programs(a.device, tiles)
     unused = out
-    _gemm_kernel[(programs,)](
+    direct(_gemm_kernel, (programs,),
         a_desc, b_desc, out_desc, amax_a if amax_a is not None else unused,
         amax_b if amax_b is not None else unused, bias if bias is not None else unused,
         M, N, K,

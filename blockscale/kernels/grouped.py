@@ -52,6 +52,7 @@ from blockscale.kernels._common import (
     round_to_bf16,
     sr_seed,
 )
+from blockscale.kernels._launch import launch
 from blockscale.kernels.amax import (
     _FAST_BELOW,
     _FLIPS,
@@ -274,7 +275,7 @@ def _group_amax_2d(
         bk, warps, blocks = AMAX_TILE
         blocks = max(blocks, cdiv(P // 16, 65535))  # grid axis 1 is capped at 65535 strips
         grid = (cdiv(K, bk), cdiv(P // 16, blocks))
-        torch.library.wrap_triton(_group_amax_kernel)[grid](
+        launch(_group_amax_kernel, grid,
             x, x.stride(0), x.stride(1), source if source is not None else group, group, P, K,
             groups, out[0], out[1],
             PLAIN=plain, HAD=hadamard, GATHER=source is not None, EVEN_K=K % bk == 0,
@@ -318,7 +319,7 @@ def _nvfp4_quantize_grouped_2d(
     kind = launch_kind(row, col, dq_row or dq_col, (row and row_sr) or (col and col_sr))
     bm, bk, options = launch_tiles(TILES.get(f"nvfp4:{kind}", nv.TILES[kind]))
     grid, band = band_grid(P, K, bm, bk)
-    torch.library.wrap_triton(_nvfp4_grouped_kernel)[grid](
+    launch(_nvfp4_grouped_kernel, grid,
         x, x.stride(0), x.stride(1), source if source is not None else group, group, P, K, E,
         amax_row, amax_col, hadamard_matrix(dev), seed if seed is not None else amax_row,
         data, scale, dq_r.view(torch.int16), data_t, scale_t, dq_c.view(torch.int16),
@@ -352,7 +353,7 @@ def _mxfp8_quantize_grouped_2d(
         kind = launch_kind(row, col, dq_row or dq_col)
         bm, bk, options = launch_tiles(TILES.get(f"mxfp8:{kind}", mx.TILES[kind]))
         grid, band = band_grid(P, K, bm, bk)
-        torch.library.wrap_triton(_mxfp8_grouped_kernel)[grid](
+        launch(_mxfp8_grouped_kernel, grid,
             x, x.stride(0), x.stride(1), source if source is not None else data, P, K,
             data, scale, dq_r.view(torch.int16), data_t, scale_t, dq_c.view(torch.int16),
             ROW=row, COL=col, DQ_ROW=dq_row, DQ_COL=dq_col, HW_FP8=not interpreting(),

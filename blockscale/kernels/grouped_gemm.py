@@ -34,6 +34,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from blockscale._registry import library_op
 from blockscale.kernels._common import bf16_bits, cdiv, interpreting, round_to_bf16
+from blockscale.kernels._launch import direct
 from blockscale.kernels.epilogue import _decode_scale, _mul_rn
 from blockscale.kernels.gemm import _programs, _tile
 
@@ -301,7 +302,7 @@ def _grouped_gemm_rows(
     has_alpha = amax_a is not None
     persistent = bf16 and (ROWS_PERSISTENT_KMAJOR if b_kmajor else ROWS_PERSISTENT_NMAJOR)
     programs, programs_key = _grid(a.device, tiles, persistent)
-    _rows_kernel[(programs,)](
+    direct(_rows_kernel, (programs,),
         a_desc, b_desc, dst, out.stride(0), offs, tile_ends, amax_a if has_alpha else offs,
         amax_b if has_alpha else offs, M, N, K, E, num_pid_n, HAS_ALPHA=has_alpha, OUT_BF16=bf16, ASM=not interpreting(),
         B_KMAJOR=b_kmajor, DOT_F32=interpreting() or a.dtype == torch.float32,
@@ -359,7 +360,7 @@ def _grouped_gemm_tokens(
     if persistent:
         stages = min(stages, TOKENS_PERSISTENT_STAGES)
     if E:
-        _tokens_kernel[(programs,)](
+        direct(_tokens_kernel, (programs,),
             _descriptor(a, [bm, bk]), _descriptor(b, [bn, bk]), _descriptor(dst, [1, bm, bn]),
             seg_ends, amax_a if has_alpha else seg_ends, amax_b if has_alpha else seg_ends, E,
             num_pid_m, num_pid_n, HAS_ALPHA=has_alpha, OUT_BF16=bf16, ASM=not interpreting(),

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from blockscale._registry import library_op
 from blockscale.kernels._common import abs_bits, cdiv
+from blockscale.kernels._launch import launch
 from blockscale.kernels.grouped_gemm import _find_group
 from blockscale.kernels.nvfp4 import _e2m1
 
@@ -148,7 +149,7 @@ def _tile_amax(flat: torch.Tensor, table: torch.Tensor, tiles: int, programs: in
     out = torch.zeros(tiles, dtype=torch.float32, device=table.device)
     segments = table.shape[1]
     if programs:
-        torch.library.wrap_triton(_tile_amax_kernel)[(programs,)](
+        launch(_tile_amax_kernel, (programs,),
             flat, table, out.view(torch.int32), segments,
             TILES=TILES, SEARCH_STEPS=segments.bit_length(), num_warps=4,
         )  # fmt: skip
@@ -162,7 +163,7 @@ def _codes(
     out = torch.zeros(n_bytes, dtype=torch.uint8, device=table.device)
     segments = table.shape[1]
     if programs:
-        torch.library.wrap_triton(_codes_kernel)[(programs,)](
+        launch(_codes_kernel, (programs,),
             flat, table, enc, out, segments,
             TILES=TILES, SEARCH_STEPS=segments.bit_length(), num_warps=4,
         )  # fmt: skip
@@ -174,7 +175,7 @@ def _expand(tiles: torch.Tensor, table: torch.Tensor, programs: int) -> torch.Te
     out = torch.empty(16 * tiles.numel(), dtype=torch.uint8, device=tiles.device)
     weights = table.shape[1]
     if programs:
-        torch.library.wrap_triton(_expand_scales_kernel)[(programs,)](
+        launch(_expand_scales_kernel, (programs,),
             tiles, table, out, weights,
             BLOCK=SCALE_BLOCK, SEARCH_STEPS=weights.bit_length(), num_warps=4,
         )  # fmt: skip

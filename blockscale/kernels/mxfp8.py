@@ -35,6 +35,7 @@ from blockscale.kernels._common import (
     relayout_16,
     to_bf16_bits,
 )
+from blockscale.kernels._launch import launch
 
 BLOCK = 32
 
@@ -220,7 +221,7 @@ def _mxfp8_quantize_2d(
     if M and K and (row or col):
         bm, bk, options = launch_tiles(TILES[launch_kind(row, col, dq_row or dq_col)])
         grid, band = band_grid(M, K, bm, bk)
-        torch.library.wrap_triton(_mxfp8_quantize_kernel)[grid](
+        launch(_mxfp8_quantize_kernel, grid,
             x, x.stride(0), x.stride(1), M, K, data, scale, dq_r.view(torch.int16), data_t, scale_t,
             dq_c.view(torch.int16),
             ROW=row, COL=col, DQ_ROW=dq_row, DQ_COL=dq_col, HW_FP8=not interpreting(), band=band,
@@ -237,7 +238,7 @@ def _mxfp8_dequantize_2d(data: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     out = torch.empty(R, C, dtype=torch.bfloat16, device=data.device)
     if R and C:
         grid, band = band_grid(R, C, 32, 128)
-        torch.library.wrap_triton(_mxfp8_dequantize_kernel)[grid](
+        launch(_mxfp8_dequantize_kernel, grid,
             data, scale, out.view(torch.int16), R, C, band, BR=32, BC=128, HW=not interpreting(),
             num_warps=4,
         )  # fmt: skip

@@ -50,6 +50,7 @@ from blockscale.kernels._common import (
     sr_seed,
     with_sign,
 )
+from blockscale.kernels._launch import launch
 from blockscale.kernels.amax import amax_fused, amax_of_copy
 
 BLOCK = 16
@@ -490,7 +491,7 @@ def _nvfp4_quantize_2d(
     kind = launch_kind(row, col, dq_row or dq_col, (row and row_sr) or (col and col_sr))
     bm, bk, options = launch_tiles(TILES[kind])
     grid, band = band_grid(M, K, bm, bk)
-    torch.library.wrap_triton(_nvfp4_quantize_kernel)[grid](
+    launch(_nvfp4_quantize_kernel, grid,
         x, x.stride(0), x.stride(1), M, K,
         amax_row, amax_col, hadamard_matrix(dev),
         seed if seed is not None else dummy,
@@ -513,8 +514,18 @@ def _nvfp4_dequantize_2d(data: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     out = torch.empty(R, C, dtype=torch.bfloat16, device=data.device)
     if R and C:
         grid, band = band_grid(R, C, 32, 128)
-        torch.library.wrap_triton(_nvfp4_dequantize_kernel)[grid](
-            data, scale, out.view(torch.int16), R, C, band, BR=32, BC=128, num_warps=4
+        launch(
+            _nvfp4_dequantize_kernel,
+            grid,
+            data,
+            scale,
+            out.view(torch.int16),
+            R,
+            C,
+            band,
+            BR=32,
+            BC=128,
+            num_warps=4,
         )
     return out
 

@@ -18,6 +18,7 @@ import triton.language as tl
 from blockscale._registry import library_op
 from blockscale.formats import swizzle as ref
 from blockscale.kernels._common import cdiv
+from blockscale.kernels._launch import launch
 
 BLOCK = 1024
 
@@ -74,8 +75,19 @@ def _swizzle_2d(scale: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rp * cp, dtype=torch.uint8, device=scale.device)
     if rp * cp:
         grid = (cdiv(rp * cp, BLOCK), 1)
-        torch.library.wrap_triton(_swizzle_kernel)[grid](
-            scale, out, R, C, cp // 4, rp * cp, 0, 0, BLOCK=BLOCK, num_warps=4
+        launch(
+            _swizzle_kernel,
+            grid,
+            scale,
+            out,
+            R,
+            C,
+            cp // 4,
+            rp * cp,
+            0,
+            0,
+            BLOCK=BLOCK,
+            num_warps=4,
         )
     return out
 
@@ -88,8 +100,19 @@ def _swizzle_experts(scale: torch.Tensor) -> torch.Tensor:
     out = torch.empty(E, rp * cp, dtype=torch.uint8, device=scale.device)
     if E * rp * cp:
         grid = (cdiv(rp * cp, BLOCK), E)
-        torch.library.wrap_triton(_swizzle_kernel)[grid](
-            scale, out, R, C, cp // 4, rp * cp, R * C, rp * cp, BLOCK=BLOCK, num_warps=4
+        launch(
+            _swizzle_kernel,
+            grid,
+            scale,
+            out,
+            R,
+            C,
+            cp // 4,
+            rp * cp,
+            R * C,
+            rp * cp,
+            BLOCK=BLOCK,
+            num_warps=4,
         )
     return out
 
@@ -102,8 +125,17 @@ def _swizzle_row_groups(scale: torch.Tensor, row_source: torch.Tensor) -> torch.
     total = row_source.shape[0] * cp
     out = torch.empty(total, dtype=torch.uint8, device=scale.device)
     if total:
-        torch.library.wrap_triton(_swizzle_row_groups_kernel)[(cdiv(total, BLOCK),)](
-            scale, row_source, out, C, cp // 4, total, BLOCK=BLOCK, num_warps=4
+        launch(
+            _swizzle_row_groups_kernel,
+            (cdiv(total, BLOCK),),
+            scale,
+            row_source,
+            out,
+            C,
+            cp // 4,
+            total,
+            BLOCK=BLOCK,
+            num_warps=4,
         )
     return out
 
@@ -118,7 +150,7 @@ def _swizzle_col_groups(
     out = torch.empty(total, dtype=torch.uint8, device=scale.device)
     if total:
         n_col_blocks = col_source.shape[0] // 4
-        torch.library.wrap_triton(_swizzle_col_groups_kernel)[(cdiv(total, BLOCK),)](
+        launch(_swizzle_col_groups_kernel, (cdiv(total, BLOCK),),
             scale, col_source, tile_source, out, R, C, n_col_blocks, total,
             BLOCK=BLOCK, num_warps=4,
         )  # fmt: skip

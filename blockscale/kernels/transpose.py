@@ -14,6 +14,7 @@ import triton.language as tl
 from blockscale._registry import library_op
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.kernels._common import cdiv
+from blockscale.kernels._launch import launch
 
 BLOCK = 16
 
@@ -66,8 +67,18 @@ def _nvfp4_transpose_2d(
     scale_t = torch.empty(C, R // BLOCK, dtype=torch.uint8, device=data.device)
     if R and C:
         grid = (cdiv(R, 64), cdiv(C, 64))
-        torch.library.wrap_triton(_nvfp4_transpose_kernel)[grid](
-            data, scale, data_t, scale_t, R, C, BR=64, BC=64, num_warps=4
+        launch(
+            _nvfp4_transpose_kernel,
+            grid,
+            data,
+            scale,
+            data_t,
+            scale_t,
+            R,
+            C,
+            BR=64,
+            BC=64,
+            num_warps=4,
         )
     return data_t, scale_t
 

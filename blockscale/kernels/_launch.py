@@ -1,0 +1,161 @@
+"""Kernel launches with less host work: `launch(kernel, grid, *args, **kwargs)`.
+
+A quantized linear layer makes about ten Triton launches per forward and backward, and at the
+shapes where the step is host-bound (FSDP2, small layers) what bounds it is the Python around
+each one. Triton's `JITFunction.run` binds the arguments into a dict, asks the C
+specializer about each, builds a cache key (including `str(options)`), checks the globals the
+kernel read, and builds launch metadata, then calls the compiled kernel's launcher.
+
+Here, after a kernel's first launch through Triton for a given specialization, the compiled
+kernel is kept under a key that is finer than Triton's: per tensor argument its dtype and
+whether its address is 16-byte aligned; per integer whether it is 1, a multiple of 16, and
+which of int32 / int64 / uint64 holds it; per descriptor its dtype, block shape and padding;
+the type of every other argument; the value of every constexpr and launch option; the
+device. Two calls with equal keys therefore have equal Triton specializations (the test
+checks the key against Triton's own specializer), and the kept kernel is the one Triton
+would have picked. Later launches call its launcher directly.
+
+Where this does not apply, `kernel[grid]` runs as before: under Triton's interpreter (the CPU
+tests), while `wrap_triton` is enabled (tracing: torch.compile records the launch), with
+launch hooks set (profilers that need Triton's metadata), for arguments of another type, and
+when `FAST_LAUNCH` is False. The bits are the same either way: the same compiled kernel gets
+the same arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from triton import knobs
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from blockscale.kernels._common import interpreting
+
+try:  # private: the switch the registry's eager path sets (see blockscale/_registry.py)
+    from torch._library.triton import is_wrap_triton_enabled
+except ImportError:  # pragma: no cover - depends on the torch version
+    is_wrap_triton_enabled = None
+
+# False: every launch goes through `kernel[grid]` (benchmarks compare the two).
+FAST_LAUNCH = True
+
+_INT32 = 2**31
+_UINT63 = 2**63
+
+
+class _Kernel:
+    """What a fast launch needs of one JIT function: its parameters in order, which are
+    constexprs, their defaults, and the compiled kernels by key."""
+
+    __slots__ = ("names", "constexpr", "defaults", "compiled")
+
+    def __init__(self, kernel: Any) -> None:
+        self.names = {p.name: i for i, p in enumerate(kernel.params)}
+        self.constexpr = [p.is_constexpr for p in kernel.params]
+        self.defaults = [p.default if p.has_default else _MISSING for p in kernel.params]
+        self.compiled: dict[tuple, Any] = {}
+
+    def bind(self, args: tuple, kwargs: dict) -> tuple[list[Any], tuple]:
+        """(every parameter's value in order, the launch options): what Triton's binder makes
+        of the call. Raises TypeError where Triton would reject it (Triton then says why)."""
+        if len(args) > len(self.defaults):
+            raise TypeError("too many arguments")
+        values = list(args) + self.defaults[len(args) :]
+        options = []
+        for name, value in kwargs.items():
+            index = self.names.get(name)
+            if index is None:
+                options.append((name, value))
+            elif index < len(args):
+                raise TypeError(f"{name} given twice")
+            else:
+                values[index] = value
+        if any(value is _MISSING for value in values):  # (`in` would compare tensors)
+            raise TypeError("missing argument")
+        return values, tuple(options)
+
+    def key(self, values: list[Any], options: tuple) -> tuple:
+        """The launch's key (module docstring): equal keys, equal Triton specializations."""
+        return (
+            torch.cuda.current_device(),
+            options,
+            *[v if c else _arg_key(v) for v, c in zip(values, self.constexpr, strict=True)],
+        )
+
+
+_MISSING = object()
+_KERNELS: dict[Any, _Kernel] = {}
+
+
+def _arg_key(value: Any) -> Any:
+    """The part of a runtime argument Triton specializes on (a finer split is harmless), or
+    raises TypeError for a type this module does not know."""
+    kind = type(value)
+    if kind is torch.Tensor or isinstance(value, torch.Tensor):
+        return (value.dtype, value.data_ptr() % 16 == 0)
+    if kind is int:
+        width = 0 if -_INT32 <= value < _INT32 else (1 if -_UINT63 <= value < _UINT63 else 2)
+        return (int, value == 1, value % 16 == 0, width)
+    if kind is bool or kind is float:
+        return kind
+    if value is None:
+        return (None,)
+    if kind is TensorDescriptor:
+        return (kind, value.base.dtype, tuple(value.block_shape), value.padding)
+    raise TypeError(kind)
+
+
+def _hooks() -> bool:
+    """Whether a launch hook is set (a profiler's): Triton's path then builds the launch
+    metadata and calls it. Triton 3.6 keeps an empty `HookChain` there when none is."""
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """`kernel[grid](*args, **kwargs)` (through `wrap_triton` where that is on), launched
+    directly once the kernel has been compiled for this specialization (module docstring)."""
+    if (
+        not FAST_LAUNCH
+        or interpreting()
+        or is_wrap_triton_enabled is None
+        or is_wrap_triton_enabled()
+        or _hooks()
+    ):
+        torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+        return
+    direct(kernel, grid, *args, **kwargs)
+
+
+def direct(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """`launch` for a caller that never runs under a trace (its op has a separate fake impl),
+    so `wrap_triton` need not be asked."""
+    if not FAST_LAUNCH or interpreting() or _hooks():
+        kernel[grid](*args, **kwargs)
+        return
+    spec = _KERNELS.get(kernel)
+    if spec is None:
+        spec = _KERNELS[kernel] = _Kernel(kernel)
+    try:
+        values, options = spec.bind(args, kwargs)
+        key = spec.key(values, options)
+        compiled = spec.compiled.get(key)  # (hashes the key: an unhashable constexpr raises)
+    except TypeError:  # an argument this module does not cover: Triton's own path
+        kernel[grid](*args, **kwargs)
+        return
+    if compiled is None:
+        compiled = kernel[grid](*args, **kwargs)
+        if hasattr(compiled, "result"):  # an asynchronous compile's future
+            compiled = compiled.result()
+        spec.compiled[key] = compiled
+        return
+    stream = torch._C._cuda_getCurrentRawStream(key[0])
+    grid_y = grid[1] if len(grid) > 1 else 1
+    grid_z = grid[2] if len(grid) > 2 else 1
+    compiled.run(
+        grid[0], grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, None,
+        None, None, *values,
+    )  # fmt: skip
