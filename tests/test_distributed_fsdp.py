@@ -36,6 +36,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 import blockscale as bs
 from blockscale import _library
 from blockscale.distributed import QuantizedWeight, ShardedWeight, enable_quantized_all_gather
+from blockscale.distributed import fsdp as fsdp_module
 from blockscale.distributed.fsdp import GatherLayout
 from blockscale.distributed.launch import run_local
 from blockscale.formats import mxfp8, nvfp4
@@ -401,15 +402,21 @@ def _cache_worker(rank: int, world_size: int) -> None:
     as without the cache, and a stale copy never used after an in-place edit or a load."""
     device = _device()
     cfg = model_config("tiny")
-    data = _batches(4, world_size, cfg.vocab_size, device)
-    made = []
+    data = _batches(6, world_size, cfg.vocab_size, device)
+    made, reduced = [], []
     inputs = GatherLayout.inputs
+    shards_amax = fsdp_module._shards_amax
 
     def counting(self, shard, amax):
         made.append(self.shape)
         return inputs(self, shard, amax)
 
+    def counting_amax(shards, group):
+        reduced.append(len(shards))
+        return shards_amax(shards, group)
+
     GatherLayout.inputs = counting
+    fsdp_module._shards_amax = counting_amax
     try:
         for name in ("nvfp4", "mxfp8"):
             models, opts = [], []
@@ -427,10 +434,11 @@ def _cache_worker(rank: int, world_size: int) -> None:
             linears = [m for m in models[0].modules() if isinstance(m, bs.nn.Linear)]
             blocks = sum(id(m) in in_blocks for m in linears)
             root = len(linears) - blocks
-            for step in range(2):  # 2 micro-batches a step
-                losses = []
+            for step in range(3):  # 2 micro-batches a step
+                losses, amaxes = [], []
                 for model, opt in zip(models, opts, strict=True):
                     made.clear()
+                    reduced.clear()
                     for micro in range(2):
                         loss = _loss(model, data[2 * step + micro, rank])
                         loss.backward()
@@ -438,6 +446,7 @@ def _cache_worker(rank: int, world_size: int) -> None:
                     opt.step()
                     opt.zero_grad()
                     losses.append(len(made))
+                    amaxes.append(list(reduced))
                 # without the cache, a block's weights are quantized at the forward's gather
                 # and at the backward's re-gather of each micro-batch, the root's (gathered
                 # once a micro-batch: FSDP keeps the root unsharded for the backward) at each
@@ -445,6 +454,14 @@ def _cache_worker(rank: int, world_size: int) -> None:
                 assert losses[2] == blocks + root, (name, losses)
                 assert losses[5] == 4 * blocks + 2 * root, (name, losses)
                 assert losses[:2] == losses[3:5], (name, step, losses)
+                # the amaxes (NVFP4): with the cache, one all-reduce a weight at the first step,
+                # then one for all of them (_AmaxBatch); without, one a gather
+                if name == "nvfp4":
+                    first = [1] * (blocks + root)
+                    assert amaxes[0] == (first if step == 0 else [blocks + root]), amaxes
+                    assert amaxes[1] == [1] * (4 * blocks + 2 * root), amaxes
+                else:
+                    assert amaxes == [[], []], amaxes
             for (n, p), q in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
                 assert torch.equal(p.full_tensor(), q.full_tensor()), (name, n)
             # an in-place edit and a load_state_dict, each followed by a forward
@@ -458,6 +475,7 @@ def _cache_worker(rank: int, world_size: int) -> None:
             assert _loss(models[0], data[1, rank]).item() == _loss(models[1], data[1, rank]).item()
     finally:
         GatherLayout.inputs = inputs
+        fsdp_module._shards_amax = shards_amax
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

@@ -160,10 +160,81 @@ def _shard_amax(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """max |w| over the whole weight from its shards: one all-reduce of a scalar (none on a
     one-rank group). `operand_amax`: the amax kernel where the kernels run (one launch, no
     |w| temporary), else formats'; a maximum is exact either way."""
-    local = operand_amax(shard, _NVFP4_WEIGHT) if shard.numel() else shard.new_zeros(())
+    return _shards_amax([shard], group)[0]
+
+
+def _shards_amax(shards: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """`_shard_amax` of several weights' shards in one all-reduce (of a vector)."""
+    local = [
+        (operand_amax(s, _NVFP4_WEIGHT) if s.numel() else s.new_zeros(())).float().reshape(())
+        for s in shards
+    ]
     if dist.get_world_size(group) == 1:
-        return local.float()
-    return all_reduce_amax(local.float(), group)
+        return local
+    whole = all_reduce_amax(local[0] if len(local) == 1 else torch.stack(local), group)
+    return [whole] if len(local) == 1 else list(whole.unbind(0))
+
+
+_AMAX_KEY = ("fsdp_all_gather_amax",)
+
+
+class _AmaxBatch:
+    """The NVFP4 weights of one shard group whose amaxes one all-reduce makes after each
+    optimizer step, instead of one all-reduce per weight (a collective costs tens of
+    microseconds of host time, and the step is host-bound under FSDP2).
+
+    Which weights: those whose pre-all-gather hook quantized their shard since the batch
+    before the last one, in the order it did (older ones are dropped, so a model that is gone
+    drops out). The first gather that finds no amax in its layer's cache while others it
+    holds lack one too (after an optimizer step cleared the caches, every weight) makes the
+    batch: the amax of itself and of each such weight whose cache lacks one under its
+    current stamp, stored in each layer's weight cache, where the later gathers of the step
+    find theirs. Every rank runs the same hooks in the same order and the same optimizer
+    steps, loads and edits, so every rank makes the same batch, of the same length, at the
+    same gather. The first step, and a weight new to the batch, all-reduce their own amax
+    as before. The bits are the same: each weight's amax is the maximum over the same
+    shards either way, and a maximum is exact."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group  # (held: the batches are found by the group's id)
+        self.round = 0  # batches made
+        self.seen: dict[int, tuple[nn.Module, torch.Tensor, int]] = {}
+
+    def saw(self, module: nn.Module, shard: torch.Tensor) -> None:
+        self.seen[id(module)] = (module, shard, self.round)
+
+    def amax(self, module: nn.Module, shard: torch.Tensor, cache: WeightCache, stamp: Any):
+        """`module`'s weight amax: from the cache, else made with the batch's other missing
+        ones."""
+        held = cache.get(stamp, _AMAX_KEY)
+        if held is not None:
+            return held
+        missing = []
+        for other, other_shard, _ in self.seen.values():
+            other_cache = getattr(other, "weight_cache", None)
+            if other is module or not isinstance(other_cache, WeightCache):
+                continue
+            other_stamp = other_cache.stamp(other_shard)
+            if other_stamp is not None and other_cache.get(other_stamp, _AMAX_KEY) is None:
+                missing.append((other_cache, other_stamp, other_shard))
+        amaxes = _shards_amax([shard] + [m[2] for m in missing], self.group)
+        for (other_cache, other_stamp, _), value in zip(missing, amaxes[1:], strict=True):
+            other_cache.put(other_stamp, _AMAX_KEY, value)
+        cache.put(stamp, _AMAX_KEY, amaxes[0])
+        if missing:  # a batch: forget the weights not seen since the one before
+            self.round += 1
+            self.seen = {k: v for k, v in self.seen.items() if v[2] >= self.round - 2}
+        return amaxes[0]
+
+
+_BATCHES: dict[int, _AmaxBatch] = {}
+
+
+def _amax_batch(group: dist.ProcessGroup) -> _AmaxBatch:
+    batch = _BATCHES.get(id(group))
+    if batch is None or batch.group is not group:
+        batch = _BATCHES[id(group)] = _AmaxBatch(group)
+    return batch
 
 
 def _as_bytes(t: torch.Tensor, move: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -445,7 +516,15 @@ class ShardedWeight(torch.Tensor):
         held = None if stamp is None else cache.get(stamp, key)
         if held is not None:
             return held.inputs, held.amax
-        amax = _shard_amax(shard, mesh.get_group()) if layout.needs_amax else None
+        amax = None
+        if layout.needs_amax:
+            group = mesh.get_group()
+            if stamp is None:
+                amax = _shard_amax(shard, group)
+            else:  # the amaxes of the step's weights in one all-reduce (_AmaxBatch)
+                batch = _amax_batch(group)
+                amax = batch.amax(module, shard, cache, stamp)
+                batch.saw(module, shard)
         inputs = tuple(layout.inputs(shard, amax))
         if stamp is not None:
             cache.put(stamp, key, _GatherInputs(inputs, amax))
