@@ -518,8 +518,9 @@ def hf_llama_under_fsdp(config, recipe: str, compiled: bool, mesh, device: torch
     bf16) and quantized all-gather enabled, then `fully_shard` per decoder layer (compiled
     first when `compiled`) and on the root with MixedPrecisionPolicy(bf16, reduce fp32), fused
     AdamW (the CPU has one too). mesh=None: the same model on one device without FSDP (FP32
-    parameters; step it with autocast). Returns the model, its optimizer and the indices of
-    its converted blocks."""
+    parameters; step it with autocast). `recipe` may end in ":nocache": the weight caches
+    off (`set_weight_cache(model, False)`; under FSDP2 the shard is quantized at every gather
+    again). Returns the model, its optimizer and the indices of its converted blocks."""
     import transformers  # noqa: PLC0415
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
 
@@ -529,8 +530,13 @@ def hf_llama_under_fsdp(config, recipe: str, compiled: bool, mesh, device: torch
     with device:
         model = transformers.LlamaForCausalLM(config)
     converted: set[int] = set()
+    recipe, _, variant = recipe.partition(":")
+    if variant not in ("", "nocache"):
+        raise ValueError(f"unknown recipe variant {variant!r} (known: nocache)")
     if recipe != "bf16":
         bsnn.convert(model, recipes.get(recipe), module_filter_fn=bsnn.layer_policy(model))
+        if variant == "nocache":
+            bsnn.set_weight_cache(model, False)
         if mesh is not None:
             enable_quantized_all_gather(model)
         converted = {
