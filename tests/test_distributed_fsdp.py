@@ -21,7 +21,9 @@ Exactness arguments the assertions rest on:
 from __future__ import annotations
 
 import copy
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -473,6 +475,11 @@ def _cache_worker(rank: int, world_size: int) -> None:
             for model in models:
                 model.load_state_dict(state)
             assert _loss(models[0], data[1, rank]).item() == _loss(models[1], data[1, rank]).item()
+            # nothing the amax batch holds outlives the model
+            layer = weakref.ref(models[0].layers[0].attn.wqkv)
+            del models, opts, linears
+            gc.collect()
+            assert layer() is None
     finally:
         GatherLayout.inputs = inputs
         fsdp_module._shards_amax = shards_amax

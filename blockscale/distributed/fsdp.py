@@ -196,7 +196,7 @@ class _AmaxBatch:
     shards either way, and a maximum is exact."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group  # (held: the batches are found by the group's id)
+        self.group = group
         self.round = 0  # batches made
         self.seen: dict[int, tuple[nn.Module, torch.Tensor, int]] = {}
 
@@ -227,14 +227,22 @@ class _AmaxBatch:
         return amaxes[0]
 
 
-_BATCHES: dict[int, _AmaxBatch] = {}
+class _AmaxBatches:
+    """One `_AmaxBatch` per shard group, shared by the converted layers of one model
+    (`enable_quantized_all_gather` puts it on each): it lives and dies with the model, so
+    what a batch holds of the model never outlives it."""
 
+    def __init__(self) -> None:
+        self.by_group: dict[int, _AmaxBatch] = {}
 
-def _amax_batch(group: dist.ProcessGroup) -> _AmaxBatch:
-    batch = _BATCHES.get(id(group))
-    if batch is None or batch.group is not group:
-        batch = _BATCHES[id(group)] = _AmaxBatch(group)
-    return batch
+    def __deepcopy__(self, memo: dict) -> _AmaxBatches:
+        return _AmaxBatches()  # a copied model has other weights
+
+    def get(self, group: dist.ProcessGroup) -> _AmaxBatch:
+        batch = self.by_group.get(id(group))
+        if batch is None or batch.group is not group:
+            batch = self.by_group[id(group)] = _AmaxBatch(group)
+        return batch
 
 
 def _as_bytes(t: torch.Tensor, move: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -519,10 +527,11 @@ class ShardedWeight(torch.Tensor):
         amax = None
         if layout.needs_amax:
             group = mesh.get_group()
-            if stamp is None:
+            batches = getattr(module, "_amax_batches", None)
+            if stamp is None or not isinstance(batches, _AmaxBatches):
                 amax = _shard_amax(shard, group)
             else:  # the amaxes of the step's weights in one all-reduce (_AmaxBatch)
-                batch = _amax_batch(group)
+                batch = batches.get(group)
                 amax = batch.amax(module, shard, cache, stamp)
                 batch.saw(module, shard)
         inputs = tuple(layout.inputs(shard, amax))
@@ -578,9 +587,11 @@ def enable_quantized_all_gather(model: nn.Module) -> int:
             "MXFP8 recipe first"
         )
     done: dict[int, nn.Parameter] = {}
+    batches = _AmaxBatches()
     for name, module in model.named_modules():
         if not (isinstance(module, Linear) and module.recipe.quantized):
             continue
+        module._amax_batches = batches
         weight = module.weight
         if isinstance(weight, DTensor):
             raise ValueError(
