@@ -55,6 +55,7 @@ runs and matches, not a timing).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -581,6 +582,11 @@ def _hf_worker(
             else:
                 results.append({**key, "converted_blocks": sorted(converted), **row})
             del model, opt
+            # a converted model's modules hold reference cycles, so without a collection here
+            # the previous row's model may still hold its memory while the next row is
+            # measured, as long as Python's cyclic GC has not run (peaks then depend on when
+            # it does; each row's peak is meant to be the recipe's alone)
+            gc.collect()
             dist.barrier()
             if device.type == "cuda":
                 torch.cuda.empty_cache()

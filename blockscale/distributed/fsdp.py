@@ -72,6 +72,7 @@ would not reproduce the one-device bits).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -198,10 +199,13 @@ class _AmaxBatch:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.round = 0  # batches made
-        self.seen: dict[int, tuple[nn.Module, torch.Tensor, int]] = {}
+        # id(layer) -> (weak reference to the layer, its shard, the round it was seen in); the
+        # layer is held weakly, so the holder on it makes no reference cycle and a deleted
+        # model is freed at once (a live model's layers are alive on every rank alike)
+        self.seen: dict[int, tuple[weakref.ref, torch.Tensor, int]] = {}
 
     def saw(self, module: nn.Module, shard: torch.Tensor) -> None:
-        self.seen[id(module)] = (module, shard, self.round)
+        self.seen[id(module)] = (weakref.ref(module), shard, self.round)
 
     def amax(self, module: nn.Module, shard: torch.Tensor, cache: WeightCache, stamp: Any):
         """`module`'s weight amax: from the cache, else made with the batch's other missing
@@ -210,7 +214,8 @@ class _AmaxBatch:
         if held is not None:
             return held
         missing = []
-        for other, other_shard, _ in self.seen.values():
+        for ref, other_shard, _ in self.seen.values():
+            other = ref()
             other_cache = getattr(other, "weight_cache", None)
             if other is module or not isinstance(other_cache, WeightCache):
                 continue
