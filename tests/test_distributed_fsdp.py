@@ -419,6 +419,8 @@ def _cache_worker(rank: int, world_size: int) -> None:
 
     GatherLayout.inputs = counting
     fsdp_module._shards_amax = counting_amax
+    by_default = dict(fsdp_module.CACHE_GATHER_INPUTS)
+    fsdp_module.CACHE_GATHER_INPUTS[Format.MXFP8] = True  # the mechanism, for both formats
     try:
         for name in ("nvfp4", "mxfp8"):
             models, opts = [], []
@@ -483,6 +485,17 @@ def _cache_worker(rank: int, world_size: int) -> None:
     finally:
         GatherLayout.inputs = inputs
         fsdp_module._shards_amax = shards_amax
+        fsdp_module.CACHE_GATHER_INPUTS.update(by_default)
+
+
+def test_gather_inputs_cached_for_nvfp4_layouts_only_by_default():
+    """The default chosen by measurement (CACHE_GATHER_INPUTS): NVFP4 layouts keep their
+    all-gather inputs, layouts with an MXFP8 copy quantize the shard at each gather."""
+    cached = {}
+    for name in ("nvfp4", "mxfp8", "nvfp4_fwd_mxfp8_bwd"):
+        layer = bs.convert(nn.Sequential(nn.Linear(64, 64)), bs.recipes.get(name))[0]
+        cached[name] = GatherLayout.for_layer(layer, torch.Size((64, 64)), 2).cached
+    assert cached == {"nvfp4": True, "mxfp8": False, "nvfp4_fwd_mxfp8_bwd": False}
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

@@ -24,16 +24,18 @@ state, bit for bit as on a plain parameter; the state_dict holds the same values
 looks for its all-gather hooks on the parameter's local tensor, so a subclass there is the
 one place they can live. Then, at each all-gather, on every rank:
 
-1. `fsdp_pre_all_gather` reduces the weight's amax over the shard group (one MAX all-reduce of
-   a scalar; none for MXFP8, which has no tensor scale) and quantizes its FP32 shard, rows
+1. `fsdp_pre_all_gather` reduces the weight's amax over the shard group (a MAX all-reduce;
+   none for MXFP8, which has no tensor scale) and quantizes its FP32 shard, rows
    [r*N/W, (r+1)*N/W) of the [N, K] weight, with that amax: the shard's blocks are whole
    blocks of the full weight, so its codes and scales are exactly the full quantization's
    rows. The all-gather inputs are the packed codes and the scales (16x16: one E4M3 scale per
-   tile, not repeated on its 16 rows). The layer's weight cache (ops/weight_cache.py) keeps
-   them, with the amax, until the shard changes (an optimizer step, a load, an in-place
-   write: `__torch_dispatch__` bumps the shard's version counter on every write), so the
-   backward's re-gather and later micro-batches skip step 1 (`set_weight_cache(model,
-   False)` turns that off).
+   tile, not repeated on its 16 rows). For NVFP4 layouts the layer's weight cache
+   (ops/weight_cache.py) keeps them, with the amax, until the shard changes (an optimizer
+   step, a load, an in-place write: `__torch_dispatch__` bumps the shard's version counter on
+   every write), so the backward's re-gather and later micro-batches skip step 1
+   (`set_weight_cache(model, False)` turns that off; MXFP8 layouts are not kept by default,
+   `CACHE_GATHER_INPUTS` says why). The first gather after an optimizer step all-reduces the
+   amaxes of all the weights gathered in the step before in one collective (`_AmaxBatch`).
 2. FSDP all-gathers them (one collective per FSDP group, as for BF16 parameters).
 3. `fsdp_post_all_gather` assembles a `QuantizedWeight` (distributed/weight.py) of the dtype
    FSDP asks for (the MixedPrecisionPolicy's param_dtype, else the shard's): codes and scales
@@ -151,6 +153,15 @@ def _mutated_result(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
         results.append(written.get(key, value) if key is not None else value)
     return tuple(results) if isinstance(out, tuple) else results[0]
 
+
+# Which formats' all-gather inputs the weight cache keeps from a weight's first gather of a
+# step to its later ones (the backward's re-gather, further micro-batches), by measurement
+# (docs/DISTRIBUTED.md, "Two-GPU measurements", fourth round; transformers Llama 8B shape,
+# 8 layers, two H200s, eager): NVFP4 holds 0.5 bytes a shard value and its step ran 26%
+# faster with it (0.626x against 0.497x BF16's tok/s, peak 0.99x against 0.98x); MXFP8
+# holds 2.06 bytes, ran 5% faster (0.642x against 0.613x) and put the peak above BF16's
+# (1.04x against 0.99x). A layout with any uncached format is not kept.
+CACHE_GATHER_INPUTS = {Format.NVFP4: True, Format.MXFP8: False}
 
 # Any plain NVFP4 config: what `operand_amax` reads of it is the format (no Hadamard: a
 # weight's copies are never transformed).
@@ -322,6 +333,13 @@ class GatherLayout:
         return any(
             c is not None and c.format is Format.NVFP4 for c in (self.rowwise, self.columnwise)
         )
+
+    @property
+    def cached(self) -> bool:
+        """Whether the layer's weight cache keeps this layout's all-gather inputs between
+        gathers (`CACHE_GATHER_INPUTS`, by the formats it holds)."""
+        formats = {c.format for c in (self.rowwise, self.columnwise) if c is not None}
+        return all(CACHE_GATHER_INPUTS[f] for f in formats)
 
     # ------------------------------------------------------------------ before the gather
 
@@ -524,6 +542,8 @@ class ShardedWeight(torch.Tensor):
         rank decides alike (the same optimizer steps, loads and edits on every rank), so the
         amax all-reduce is skipped by all ranks together or by none."""
         cache = getattr(module, "weight_cache", None)
+        if not layout.cached:
+            cache = None
         stamp = cache.stamp(shard) if isinstance(cache, WeightCache) else None
         key = ("fsdp_all_gather", layout)
         held = None if stamp is None else cache.get(stamp, key)
