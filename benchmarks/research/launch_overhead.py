@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, fro
 import harness  # noqa: E402
 
 from blockscale import kernels  # noqa: E402
+from blockscale.kernels import _launch  # noqa: E402
 from blockscale.kernels.amax import _amax_kernel  # noqa: E402
 
 
@@ -50,26 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     amax = (torch.ones((), device=device), torch.ones((), device=device))
     q = kernels.nvfp4_quantize(x)
     out = torch.zeros(2, dtype=torch.int32, device=device)
-    h = torch.eye(16, device=device)
     cases = {
         "torch: x.abs().amax()": lambda: x.abs().amax(),
         "torch: x.mul_(1)": lambda: x.mul_(1),
         "triton: raw _amax_kernel launch": lambda: _amax_kernel[(1,)](
-            x,
-            256,
-            1,
-            256,
-            256,
-            h,
-            out,
-            2,
-            32,
-            PLAIN=True,
-            HAD_T=False,
-            DOT_F32=False,
-            BM=32,
-            BK=128,
-            TILES=16,
+            x, 256, 1, 256, 256, out, 2, 16, BM=32, BK=128, TILES=16, num_warps=4
+        ),
+        "direct launch of it (kernels/_launch.py)": lambda: _launch.direct(
+            _amax_kernel, (1,), x, 256, 1, 256, 256, out, 2, 16, BM=32, BK=128, TILES=16,
             num_warps=4,
         ),  # fmt: skip
         "op: torch.ops.blockscale.amax_2d": lambda: torch.ops.blockscale.amax_2d(x, True, False),
