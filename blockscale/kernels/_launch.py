@@ -18,8 +18,8 @@ would have picked. Later launches call its launcher directly.
 Where this does not apply, `kernel[grid]` runs as before: under Triton's interpreter (the CPU
 tests), while `wrap_triton` is enabled (tracing: torch.compile records the launch), with
 launch hooks set (profilers that need Triton's metadata), for arguments of another type, and
-when `FAST_LAUNCH` is False. The bits are the same either way: the same compiled kernel gets
-the same arguments.
+when `FAST_LAUNCH` is False (by default under any Triton but 3.6). The bits are the same
+either way: the same compiled kernel gets the same arguments.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import triton
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -37,8 +38,10 @@ try:  # private: the switch the registry's eager path sets (see blockscale/_regi
 except ImportError:  # pragma: no cover - depends on the torch version
     is_wrap_triton_enabled = None
 
-# False: every launch goes through `kernel[grid]` (benchmarks compare the two).
-FAST_LAUNCH = True
+# False: every launch goes through `kernel[grid]` (benchmarks compare the two). On by default
+# only for the Triton release whose compiled-kernel launcher this calls as Triton 3.6 does
+# (the version pyproject.toml pins); any other uses Triton's own path.
+FAST_LAUNCH = triton.__version__.startswith("3.6.")
 
 _INT32 = 2**31
 _UINT63 = 2**63
