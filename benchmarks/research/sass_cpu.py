@@ -60,6 +60,7 @@ import tiles  # noqa: E402
 from bench_grouped_mm import kernel_cases  # noqa: E402
 from bench_quantize import cases, make_input  # noqa: E402
 
+from blockscale.kernels import _launch  # noqa: E402
 from blockscale.kernels.nvfp4 import MIX32  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -219,6 +220,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     tiles.apply(args)
     rows_n, cols_n = (int(v) for v in args.shape.split(","))
     torch.library.wrap_triton = _Recorder  # every launcher looks it up at call time
+    _launch.FAST_LAUNCH = False  # so that every launch goes through it
     x = make_input((rows_n, cols_n), torch.device("cpu"))
     wanted = [w for w in args.only.split(",") if w]
     results = []

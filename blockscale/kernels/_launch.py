@@ -24,6 +24,7 @@ either way: the same compiled kernel gets the same arguments.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -109,6 +110,13 @@ def _arg_key(value: Any) -> Any:
     raise TypeError(kind)
 
 
+@functools.cache
+def _cuda() -> bool:
+    """Whether this torch has CUDA devices (a CPU-only build compiles kernels for tools such as
+    benchmarks/research/sass_cpu.py, which stand in for the launch)."""
+    return torch.cuda.is_available()
+
+
 def _hooks() -> bool:
     """Whether a launch hook is set (a profiler's): Triton's path then builds the launch
     metadata and calls it. Triton 3.6 keeps an empty `HookChain` there when none is."""
@@ -124,6 +132,7 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
     if (
         not FAST_LAUNCH
         or interpreting()
+        or not _cuda()
         or is_wrap_triton_enabled is None
         or is_wrap_triton_enabled()
         or _hooks()
@@ -136,7 +145,7 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
 def direct(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
     """`launch` for a caller that never runs under a trace (its op has a separate fake impl),
     so `wrap_triton` need not be asked."""
-    if not FAST_LAUNCH or interpreting() or _hooks():
+    if not FAST_LAUNCH or interpreting() or not _cuda() or _hooks():
         kernel[grid](*args, **kwargs)
         return
     spec = _KERNELS.get(kernel)
