@@ -163,6 +163,21 @@ def _spin_cycles_per_ms(device: torch.device) -> float:
     return _SPIN_CYCLES_PER_MS[device]
 
 
+def host_us(fn: Callable[[], Any], reps: int, device: torch.device, warmup: int = 3) -> float:
+    """Microseconds of host time per call of `fn`, over `reps` back-to-back calls with no
+    synchronization between them: where `fn`'s GPU work is small, what the host spends
+    issuing it (launch overhead, the Python around the launches)."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    us = 1e6 * (time.perf_counter() - start) / reps
+    synchronize(device)
+    return us
+
+
 def time_host_and_device(
     fn: Callable[[], Any],
     warmup: int = 3,

@@ -22,7 +22,6 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,18 +35,6 @@ import blockscale as bs  # noqa: E402
 from blockscale.distributed.fsdp import GatherLayout  # noqa: E402
 from blockscale.kernels import _launch  # noqa: E402
 from blockscale.ops.weight_cache import WeightCache  # noqa: E402
-
-
-def host_us(fn, reps: int, device: torch.device) -> float:
-    for _ in range(3):
-        fn()
-    harness.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    us = 1e6 * (time.perf_counter() - start) / reps
-    harness.synchronize(device)
-    return us
 
 
 def profiled(fn, reps: int, top: int) -> str:
@@ -166,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         for case, fn in linear_cases(name, m, k, n, device).items():
             for mode in modes:
                 _launch.FAST_LAUNCH = mode == "fast"
-                us = host_us(fn, reps, device)
+                us = harness.host_us(fn, reps, device)
                 row = {"case": case, "launch": mode, "shape": args.shape, "host_us": us}
                 record["rows"].append(row)
                 print(f"{case:48s} {mode:7s} {us:9.1f} us", flush=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,18 +22,6 @@ import harness  # noqa: E402
 from blockscale import kernels  # noqa: E402
 from blockscale.kernels import _launch  # noqa: E402
 from blockscale.kernels.amax import _amax_kernel  # noqa: E402
-
-
-def host_us(fn, reps: int) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    us = 1e6 * (time.perf_counter() - t0) / reps
-    torch.cuda.synchronize()
-    return us
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +45,19 @@ def main(argv: list[str] | None = None) -> int:
             x, 256, 1, 256, 256, out, 2, 16, BM=32, BK=128, TILES=16, num_warps=4
         ),
         "direct launch of it (kernels/_launch.py)": lambda: _launch.direct(
-            _amax_kernel, (1,), x, 256, 1, 256, 256, out, 2, 16, BM=32, BK=128, TILES=16,
+            _amax_kernel,
+            (1,),
+            x,
+            256,
+            1,
+            256,
+            256,
+            out,
+            2,
+            16,
+            BM=32,
+            BK=128,
+            TILES=16,
             num_warps=4,
         ),  # fmt: skip
         "op: torch.ops.blockscale.amax_2d": lambda: torch.ops.blockscale.amax_2d(x, True, False),
@@ -72,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, fn in cases.items():
         try:
-            rows.append({"call": name, "host_us": host_us(fn, reps)})
+            rows.append({"call": name, "host_us": harness.host_us(fn, reps, device, warmup=10)})
         except Exception as e:  # a signature drift in the raw launch must not hide the rest
             rows.append({"call": name, "host_us": None, "error": f"{type(e).__name__}: {e}"})
     harness.print_table(rows, ["call", "host_us", "error"])

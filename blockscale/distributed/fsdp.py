@@ -168,15 +168,10 @@ CACHE_GATHER_INPUTS = {Format.NVFP4: True, Format.MXFP8: False}
 _NVFP4_WEIGHT = OperandConfig(Format.NVFP4)
 
 
-def _shard_amax(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """max |w| over the whole weight from its shards: one all-reduce of a scalar (none on a
+def _shards_amax(shards: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """max |w| over each whole weight from its shards, all in one all-reduce (none on a
     one-rank group). `operand_amax`: the amax kernel where the kernels run (one launch, no
     |w| temporary), else formats'; a maximum is exact either way."""
-    return _shards_amax([shard], group)[0]
-
-
-def _shards_amax(shards: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """`_shard_amax` of several weights' shards in one all-reduce (of a vector)."""
     local = [
         (operand_amax(s, _NVFP4_WEIGHT) if s.numel() else s.new_zeros(())).float().reshape(())
         for s in shards
@@ -554,7 +549,7 @@ class ShardedWeight(torch.Tensor):
             group = mesh.get_group()
             batches = getattr(module, "_amax_batches", None)
             if stamp is None or not isinstance(batches, _AmaxBatches):
-                amax = _shard_amax(shard, group)
+                amax = _shards_amax([shard], group)[0]
             else:  # the amaxes of the step's weights in one all-reduce (_AmaxBatch)
                 batch = batches.get(group)
                 amax = batch.amax(module, shard, cache, stamp)

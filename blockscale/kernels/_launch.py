@@ -126,28 +126,32 @@ def _hooks() -> bool:
     return False
 
 
+def _direct() -> bool:
+    """Whether launches may skip Triton's path here (module docstring)."""
+    return FAST_LAUNCH and not interpreting() and _cuda() and not _hooks()
+
+
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-    """`kernel[grid](*args, **kwargs)` (through `wrap_triton` where that is on), launched
-    directly once the kernel has been compiled for this specialization (module docstring)."""
-    if (
-        not FAST_LAUNCH
-        or interpreting()
-        or not _cuda()
-        or is_wrap_triton_enabled is None
-        or is_wrap_triton_enabled()
-        or _hooks()
-    ):
+    """`kernel[grid](*args, **kwargs)` through `wrap_triton` (which launches the kernel itself
+    where it is off, or records it under a trace), launched directly instead once the kernel
+    has been compiled for this specialization (module docstring)."""
+    if is_wrap_triton_enabled is None or is_wrap_triton_enabled() or not _direct():
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
         return
-    direct(kernel, grid, *args, **kwargs)
+    _fast(kernel, grid, args, kwargs)
 
 
 def direct(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
     """`launch` for a caller that never runs under a trace (its op has a separate fake impl),
     so `wrap_triton` need not be asked."""
-    if not FAST_LAUNCH or interpreting() or not _cuda() or _hooks():
+    if not _direct():
         kernel[grid](*args, **kwargs)
         return
+    _fast(kernel, grid, args, kwargs)
+
+
+def _fast(kernel: Any, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+    """The kept compiled kernel's launch, or Triton's path where there is none yet."""
     spec = _KERNELS.get(kernel)
     if spec is None:
         spec = _KERNELS[kernel] = _Kernel(kernel)

@@ -514,19 +514,9 @@ def _nvfp4_dequantize_2d(data: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     out = torch.empty(R, C, dtype=torch.bfloat16, device=data.device)
     if R and C:
         grid, band = band_grid(R, C, 32, 128)
-        launch(
-            _nvfp4_dequantize_kernel,
-            grid,
-            data,
-            scale,
-            out.view(torch.int16),
-            R,
-            C,
-            band,
-            BR=32,
-            BC=128,
-            num_warps=4,
-        )
+        launch(_nvfp4_dequantize_kernel, grid,
+            data, scale, out.view(torch.int16), R, C, band, BR=32, BC=128, num_warps=4,
+        )  # fmt: skip
     return out
 
 

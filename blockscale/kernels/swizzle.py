@@ -75,20 +75,9 @@ def _swizzle_2d(scale: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rp * cp, dtype=torch.uint8, device=scale.device)
     if rp * cp:
         grid = (cdiv(rp * cp, BLOCK), 1)
-        launch(
-            _swizzle_kernel,
-            grid,
-            scale,
-            out,
-            R,
-            C,
-            cp // 4,
-            rp * cp,
-            0,
-            0,
-            BLOCK=BLOCK,
-            num_warps=4,
-        )
+        launch(_swizzle_kernel, grid,
+            scale, out, R, C, cp // 4, rp * cp, 0, 0, BLOCK=BLOCK, num_warps=4,
+        )  # fmt: skip
     return out
 
 
@@ -100,20 +89,9 @@ def _swizzle_experts(scale: torch.Tensor) -> torch.Tensor:
     out = torch.empty(E, rp * cp, dtype=torch.uint8, device=scale.device)
     if E * rp * cp:
         grid = (cdiv(rp * cp, BLOCK), E)
-        launch(
-            _swizzle_kernel,
-            grid,
-            scale,
-            out,
-            R,
-            C,
-            cp // 4,
-            rp * cp,
-            R * C,
-            rp * cp,
-            BLOCK=BLOCK,
-            num_warps=4,
-        )
+        launch(_swizzle_kernel, grid,
+            scale, out, R, C, cp // 4, rp * cp, R * C, rp * cp, BLOCK=BLOCK, num_warps=4,
+        )  # fmt: skip
     return out
 
 
@@ -125,18 +103,9 @@ def _swizzle_row_groups(scale: torch.Tensor, row_source: torch.Tensor) -> torch.
     total = row_source.shape[0] * cp
     out = torch.empty(total, dtype=torch.uint8, device=scale.device)
     if total:
-        launch(
-            _swizzle_row_groups_kernel,
-            (cdiv(total, BLOCK),),
-            scale,
-            row_source,
-            out,
-            C,
-            cp // 4,
-            total,
-            BLOCK=BLOCK,
-            num_warps=4,
-        )
+        launch(_swizzle_row_groups_kernel, (cdiv(total, BLOCK),),
+            scale, row_source, out, C, cp // 4, total, BLOCK=BLOCK, num_warps=4,
+        )  # fmt: skip
     return out
 
 

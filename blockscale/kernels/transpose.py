@@ -67,19 +67,9 @@ def _nvfp4_transpose_2d(
     scale_t = torch.empty(C, R // BLOCK, dtype=torch.uint8, device=data.device)
     if R and C:
         grid = (cdiv(R, 64), cdiv(C, 64))
-        launch(
-            _nvfp4_transpose_kernel,
-            grid,
-            data,
-            scale,
-            data_t,
-            scale_t,
-            R,
-            C,
-            BR=64,
-            BC=64,
-            num_warps=4,
-        )
+        launch(_nvfp4_transpose_kernel, grid,
+            data, scale, data_t, scale_t, R, C, BR=64, BC=64, num_warps=4,
+        )  # fmt: skip
     return data_t, scale_t
 
 
