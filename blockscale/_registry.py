@@ -72,9 +72,17 @@ from typing import Any
 import torch
 
 try:  # private: the switch triton_op's own eager path uses; without it, eager uses the op
+    from torch._library import triton as _torch_triton
     from torch._library.triton import set_wrap_triton_enabled
 except ImportError:  # pragma: no cover - depends on the torch version
+    _torch_triton = None
     set_wrap_triton_enabled = None
+
+# The thread-local flag `set_wrap_triton_enabled` sets, where this torch keeps it as that
+# function does (`wrap_triton_enabled.value`, default True): an eager call sets and restores
+# it directly, without building a context manager each time (see `call` below).
+_WRAP_FLAG = getattr(_torch_triton, "wrap_triton_enabled", None)
+_WRAP_DEFAULT = getattr(_torch_triton, "wrap_triton_enabled_default", True)
 
 # False: Triton-backed ops stay single opaque ops in compiled graphs (see the module docstring).
 # Read when a trace reaches the op.
@@ -101,11 +109,9 @@ def _with_constants(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-_TRACING_MODES = (
-    torch._C._TorchDispatchModeKey.FAKE,
-    torch._C._TorchDispatchModeKey.FUNCTIONAL,
-    torch._C._TorchDispatchModeKey.PROXY,
-)
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
+_FUNCTIONAL = torch._C._TorchDispatchModeKey.FUNCTIONAL
+_PROXY = torch._C._TorchDispatchModeKey.PROXY
 
 
 def tracing() -> bool:
@@ -114,9 +120,10 @@ def tracing() -> bool:
     converted experts' `nonstrict_trace` call runs its body under FakeTensorMode, where
     `is_compiling()` is False and a direct launch fails: "Cannot access data pointer of
     Tensor"). One C lookup per mode, no Python walk over the arguments."""
-    return torch.compiler.is_compiling() or any(
-        torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES
-    )
+    if torch.compiler.is_compiling():
+        return True
+    mode = torch._C._get_dispatch_mode
+    return mode(_FAKE) is not None or mode(_FUNCTIONAL) is not None or mode(_PROXY) is not None
 
 
 # The Library objects that hold the lean ops' registrations (they unregister when collected).
@@ -213,8 +220,15 @@ def library_op(
             if triton:
                 # what triton_op's own eager path does: wrap_triton launches the kernel
                 # directly instead of dispatching a higher-order op (~1 ms a call)
-                with set_wrap_triton_enabled(False):
+                if _WRAP_FLAG is None:
+                    with set_wrap_triton_enabled(False):
+                        return fn(*args, **kwargs)
+                saved = getattr(_WRAP_FLAG, "value", _WRAP_DEFAULT)
+                _WRAP_FLAG.value = False
+                try:
                     return fn(*args, **kwargs)
+                finally:
+                    _WRAP_FLAG.value = saved
             return fn(*args, **kwargs)
 
         call.op = registered  # type: ignore[attr-defined]
