@@ -80,13 +80,13 @@ def test_fused_gemm_in_the_step_matches_the_reference_path(name, fused_fp32, mon
     monkeypatch.setattr(dispatch, "FUSED_FP32_MAX_K", 64 if fused_fp32 else 32)
 
     shapes = []
-    real = gemm._gemm_fused
+    real = gemm._launch_gemm
 
     def counted(a, b, *args):
         shapes.append((tuple(a.shape), tuple(b.shape)))
         return real(a, b, *args)
 
-    monkeypatch.setattr(gemm, "_gemm_fused", counted)
+    monkeypatch.setattr(gemm, "_launch_gemm", counted)
     reference, kernel = _reference_and_kernel_steps(name, 40, monkeypatch)
     # output, grad_input, grad_weight (40 tokens padded to the block for grad_weight's operands)
     t = {"nvfp4": 48, "mxfp8": 64}[name]
@@ -108,13 +108,13 @@ def test_fp32_outputs_take_the_fused_kernel_up_to_fused_fp32_max_k(max_k, monkey
 
     monkeypatch.setattr(dispatch, "FUSED_FP32_MAX_K", max_k)
     contractions = []
-    real = gemm._gemm_fused
+    real = gemm._launch_gemm
 
     def counted(a, b, *args):
         contractions.append(a.shape[1])
         return real(a, b, *args)
 
-    monkeypatch.setattr(gemm, "_gemm_fused", counted)
+    monkeypatch.setattr(gemm, "_launch_gemm", counted)
     reference, kernel = _reference_and_kernel_steps("nvfp4", 40, monkeypatch, torch.float32)
     assert all(t.dtype == torch.float32 for t in kernel)
     assert contractions == [k for k in (64, 96, 48) if k <= max_k]

@@ -295,8 +295,7 @@ def _gemm_into(
     amax = None if amax_a is None else (amax_a, amax_b)
     if CUBLAS_BF16_OUT and amax is None and bias is None and _cublas_bf16(a_dq, b_dq, out):
         return
-    if FUSED_GEMM and fused.supported(a_dq, b_dq, out):
-        fused.gemm_fused(a_dq, b_dq, amax, bias, out=out)
+    if FUSED_GEMM and fused.gemm_into(a_dq, b_dq, amax_a, amax_b, bias, out):
         return
     m, n = out.shape
     rows = m if ACC_CHUNK_BYTES <= 0 else max(128, ACC_CHUNK_BYTES // (4 * max(n, 1)) // 128 * 128)

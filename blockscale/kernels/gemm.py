@@ -221,32 +221,78 @@ def _gemm_fused(
             "gemm_fused needs 16-byte aligned TMA layouts: a K-major, b K- or N-major, out "
             f"with unit column stride; got strides {a.stride()}, {b.stride()}, {out.stride()}"
         )
+    _launch_gemm(a, b, amax_a, amax_b, bias, out, config)
+
+
+def _descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
+    """`TensorDescriptor.from_tensor(t, block_shape)` without its checks, which `supported`
+    has made already for the three layouts (alignment, unit stride, nonzero sizes); the
+    tile shapes are the configs' powers of two. What Triton's launcher reads is the same."""
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides = t, t.shape, t.stride()
+    desc.block_shape, desc.padding = block_shape, "zero"
+    return desc
+
+
+def _launch_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    amax_a: torch.Tensor | None,
+    amax_b: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    config: tuple[int, ...] | list[int],
+) -> None:
+    """The kernel's launch on layouts `supported` accepted."""
     M, K = a.shape
     N = b.shape[0]
     bm, bn, bk, group_m, warps, stages, flatten, ws = config
     b_kmajor = b.stride(1) == 1
     bf16 = out.dtype == torch.bfloat16
     dst = out.view(torch.int16) if bf16 else out
-    a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
-    b_desc = (
-        TensorDescriptor.from_tensor(b, [bn, bk])
-        if b_kmajor
-        else TensorDescriptor.from_tensor(b.t(), [bk, bn])
-    )
-    out_desc = TensorDescriptor.from_tensor(dst, [bm, bn])
+    a_desc = _descriptor(a, [bm, bk])
+    b_desc = _descriptor(b, [bn, bk]) if b_kmajor else _descriptor(b.t(), [bk, bn])
+    out_desc = _descriptor(dst, [bm, bn])
     tiles = cdiv(M, bm) * cdiv(N, bn)
     programs = _programs(a.device, tiles)
     unused = out
+    interpret = interpreting()
     direct(_gemm_kernel, (programs,),
         a_desc, b_desc, out_desc, amax_a if amax_a is not None else unused,
         amax_b if amax_b is not None else unused, bias if bias is not None else unused,
         M, N, K,
         HAS_ALPHA=amax_a is not None, HAS_BIAS=bias is not None, OUT_BF16=bf16,
-        ASM=not interpreting(), B_KMAJOR=b_kmajor,
-        DOT_F32=interpreting() or a.dtype == torch.float32, INTERPRET=interpreting(),
+        ASM=not interpret, B_KMAJOR=b_kmajor,
+        DOT_F32=interpret or a.dtype == torch.float32, INTERPRET=interpret,
         BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PROGRAMS=programs, FLATTEN=bool(flatten),
         WARP_SPECIALIZE=bool(ws), num_warps=warps, num_stages=stages,
     )  # fmt: skip
+
+
+def gemm_into(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    amax_a: torch.Tensor | None,
+    amax_b: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> bool:
+    """`gemm_fused` for callers that hold checked operands (gemm/dispatch.py, on real tensors
+    only): a [M, K], b [N, K] of one dtype, out [M, N], amaxes and bias on a's device.
+    Launches the kernel and returns True where `supported` accepts the layouts; False
+    (nothing written) where not. The same launch as gemm_fused's, without its shape checks
+    or the op's dispatch: a linear layer makes three of these per step."""
+    if not supported(a, b, out):
+        return False
+    if amax_a is not None and (amax_a.dtype != torch.float32 or amax_b.dtype != torch.float32):
+        amax_a, amax_b = amax_a.float(), amax_b.float()
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    m, n = out.shape
+    _launch_gemm(
+        a, b, amax_a, amax_b, bias, out, config_for(m, n, a.shape[1], out.dtype, b.stride(1) == 1)
+    )
+    return True
 
 
 @_gemm_fused.op.register_fake
