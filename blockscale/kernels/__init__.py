@@ -19,7 +19,13 @@ from blockscale.kernels.grouped import (
 )
 from blockscale.kernels.grouped_gemm import grouped_gemm_rows, grouped_gemm_tokens
 from blockscale.kernels.mxfp8 import mxfp8_dequantize_dq, mxfp8_quantize, mxfp8_quantize_both
-from blockscale.kernels.nvfp4 import nvfp4_dequantize_dq, nvfp4_quantize, nvfp4_quantize_both
+from blockscale.kernels.nvfp4 import (
+    nvfp4_dequantize_dq,
+    nvfp4_quantize,
+    nvfp4_quantize_both,
+    quantize_2d,
+    quantize_both_2d,
+)
 from blockscale.kernels.swizzle import swizzle_scales
 from blockscale.kernels.transpose import nvfp4_transpose_16x16
 
@@ -39,6 +45,8 @@ __all__ = [
     "nvfp4_quantize_grouped",
     "nvfp4_quantize",
     "nvfp4_quantize_both",
+    "quantize_2d",
+    "quantize_both_2d",
     "nvfp4_dequantize_dq",
     "nvfp4_transpose_16x16",
     "mxfp8_quantize",

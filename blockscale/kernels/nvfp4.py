@@ -650,6 +650,69 @@ def nvfp4_quantize_both(
     return q_row, q_col
 
 
+def quantize_2d(
+    x2: torch.Tensor,
+    block_2d: bool,
+    sr: bool,
+    hadamard: bool,
+    transpose: bool,
+    amax: torch.Tensor | None,
+    dq: bool,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """`nvfp4_quantize` of a 2-D x2 for a caller that checked its arguments (ops/quantize.py:
+    the blocks fit, options from a validated OperandConfig). Returns (data, scale bytes, dq or
+    an empty tensor, amax as an FP32 scalar): the tensors `nvfp4_quantize` wraps."""
+    src, col = (x2.t(), True) if (hadamard and not transpose) else (x2, transpose)
+    if amax is None:
+        amax = amax_of_copy(src, hadamard_t=hadamard)
+    elif amax.dtype != torch.float32 or amax.dim() or amax.device != x2.device:
+        amax = _as_amax(amax, x2.device).reshape(())
+    seed = sr_seed(x2.device, generator) if sr else None
+    out = _nvfp4_quantize_2d(
+        src, amax, amax, seed, None, None,
+        row=not col, col=col, row_2d=block_2d, col_2d=block_2d, row_sr=sr, col_sr=sr,
+        col_hadamard=hadamard, dq_row=dq, dq_col=dq,
+    )  # fmt: skip
+    data, scale, dq_t = out[3:] if col else out[:3]
+    return data, scale, dq_t, amax.detach()
+
+
+def quantize_both_2d(
+    x2: torch.Tensor,
+    row_2d: bool,
+    row_sr: bool,
+    col_2d: bool,
+    col_sr: bool,
+    col_hadamard: bool,
+    amax_row: torch.Tensor | None,
+    amax_col: torch.Tensor | None,
+    dq_row: bool,
+    dq_col: bool,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """`nvfp4_quantize_both` for a caller that checked its arguments (ops/quantize.py: x2
+    [M, K] with M and K multiples of 16, options from a validated OperandConfig), without
+    building option dicts and containers twice per call. Returns the raw outputs: (data,
+    scale bytes, dq or an empty tensor, row amax, data_t, scale_t bytes, dq_t, column amax),
+    each amax an FP32 scalar tensor (given ones converted as `nvfp4_quantize_both` does)."""
+    if amax_row is None or amax_col is None:
+        plain, had = amax_fused(x2, hadamard_t=col_hadamard)
+        amax_row = plain if amax_row is None else amax_row
+        amax_col = (had if col_hadamard else plain) if amax_col is None else amax_col
+    if amax_row.dtype != torch.float32 or amax_row.dim() or amax_row.device != x2.device:
+        amax_row = _as_amax(amax_row, x2.device).reshape(())
+    if amax_col.dtype != torch.float32 or amax_col.dim() or amax_col.device != x2.device:
+        amax_col = _as_amax(amax_col, x2.device).reshape(())
+    seed = sr_seed(x2.device, generator) if row_sr or col_sr else None
+    data, scale, dq, data_t, scale_t, dq_t = _nvfp4_quantize_2d(
+        x2, amax_row, amax_col, seed, None, None,
+        row=True, col=True, row_2d=row_2d, col_2d=col_2d, row_sr=row_sr, col_sr=col_sr,
+        col_hadamard=col_hadamard, dq_row=dq_row, dq_col=dq_col,
+    )  # fmt: skip
+    return data, scale, dq, amax_row.detach(), data_t, scale_t, dq_t, amax_col.detach()
+
+
 def nvfp4_dequantize_dq(q: NVFP4Tensor) -> torch.Tensor:
     """The BF16 `_dq` operand (code * block scale, no global scale) of a saved NVFP4Tensor;
     equals q.dq()."""

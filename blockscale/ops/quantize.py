@@ -45,12 +45,14 @@ import torch.nn.functional as F
 from blockscale import _library
 from blockscale.formats import grouped, mxfp8, nvfp4
 from blockscale.formats import hadamard as rht
+from blockscale.formats._checks import FLOAT_DTYPES
 from blockscale.formats.grouped import TokenLayout
 from blockscale.formats.mxfp8 import MXFP8Tensor
+from blockscale.formats.nvfp4 import BLOCK as NVFP4_BLOCK
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.gemm.dispatch import Transposed
 from blockscale.gemm.grouped import TransposedExperts
-from blockscale.recipes import Format, OperandConfig
+from blockscale.recipes import Format, OperandConfig, Rounding
 
 
 @dataclass
@@ -124,6 +126,13 @@ def _nvfp4_options(config: OperandConfig) -> dict:
     return {"block": config.block, "rounding": config.rounding.value}
 
 
+def _blocks_fit(x: torch.Tensor, config: OperandConfig, transpose: bool) -> bool:
+    """Whether a 2-D x fits an NVFP4 copy's blocks (along its rows with `transpose`), so that
+    the checked kernel entry applies; where not, the public one raises with the reason."""
+    rows, cols = (x.shape[1], x.shape[0]) if transpose else x.shape
+    return cols % NVFP4_BLOCK == 0 and (config.block != "16x16" or rows % NVFP4_BLOCK == 0)
+
+
 def _quantize_nvfp4(
     x: torch.Tensor,
     config: OperandConfig,
@@ -134,6 +143,15 @@ def _quantize_nvfp4(
 ) -> NVFP4Tensor:
     options = dict(_nvfp4_options(config), hadamard=config.hadamard, transpose=transpose)
     if _library.use_kernels(x):
+        if x.dim() == 2 and x.dtype in FLOAT_DTYPES and _blocks_fit(x, config, transpose):
+            data, scale, dq_t, amax = _kernels().quantize_2d(
+                x, config.block == "16x16", config.rounding is Rounding.STOCHASTIC,
+                config.hadamard, transpose, amax, dq, generator,
+            )  # fmt: skip
+            shape = torch.Size((x.shape[1], x.shape[0])) if transpose else x.shape
+            e4m3 = torch.float8_e4m3fn
+            return NVFP4Operand(data, scale.view(e4m3), amax, shape, config.block,
+                                config.hadamard, dq_t if dq else None)  # fmt: skip
         out = _kernels().nvfp4_quantize(x, generator=generator, amax=amax, return_dq=dq, **options)
         return as_operand(*out) if dq else as_operand(out)
     return nvfp4.quantize(x, generator=generator, amax=amax, **options)
@@ -209,13 +227,22 @@ def _both_from_one_read(
     if x.shape[0] % tokens.block_size:  # the token copy needs padding: no shared read
         return None
     if row.format is Format.NVFP4:
-        (q_row, dq_row), (q_tok, dq_tok) = _kernels().nvfp4_quantize_both(
-            x,
-            rowwise=dict(_nvfp4_options(row), amax=row_amax),
-            columnwise=dict(_nvfp4_options(tokens), hadamard=tokens.hadamard, amax=tokens_amax),
-            return_dq=(row_dq, tokens_dq),
-            generator=generator,
-        )
+        if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.shape[1] % NVFP4_BLOCK:
+            return None  # (the separate quantizers say what is wrong, if anything)
+        m, c = x.shape
+        stochastic = Rounding.STOCHASTIC
+        data, scale, dq, amax_r, data_t, scale_t, dq_t, amax_t = _kernels().quantize_both_2d(
+            x, row.block == "16x16", row.rounding is stochastic, tokens.block == "16x16",
+            tokens.rounding is stochastic, tokens.hadamard, row_amax, tokens_amax, row_dq,
+            tokens_dq, generator,
+        )  # fmt: skip
+        e4m3 = torch.float8_e4m3fn
+        return (
+            NVFP4Operand(data, scale.view(e4m3), amax_r, x.shape, row.block, False,
+                         dq if row_dq else None),
+            NVFP4Operand(data_t, scale_t.view(e4m3), amax_t, torch.Size((c, m)), tokens.block,
+                         tokens.hadamard, dq_t if tokens_dq else None),
+        )  # fmt: skip
     elif row.format is Format.MXFP8:
         (q_row, dq_row), (q_tok, dq_tok) = _kernels().mxfp8_quantize_both(
             x, return_dq=(row_dq, tokens_dq)
