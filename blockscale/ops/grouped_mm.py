@@ -63,6 +63,7 @@ from blockscale.gemm.grouped import (
     resolve_grouped_backend,
 )
 from blockscale.ops.linear import (
+    autocast_off,
     cached_dgrad_weight,
     cached_weight,
     dgrad_amax,
@@ -172,7 +173,7 @@ class _GroupedMM(torch.autograd.Function):
     ) -> torch.Tensor:
         weight = weight_t.transpose(-2, -1)  # [E, N, K], usually the parameter itself
         layout = token_layout(offs, input.shape[0])
-        with torch.autocast(input.device.type, enabled=False):
+        with autocast_off(input.device.type):
             wgrad_cfg = recipe.grad_weight.input_t if ctx.needs_input_grad[1] else None
             x_lp, x_t = quantize_grouped(input, offs, layout, recipe.output.input, wgrad_cfg)
             w_cfg = recipe.output.weight
@@ -221,7 +222,7 @@ class _GroupedMM(torch.autograd.Function):
         layout = TokenLayout(seg_ends, source, group)
         n = ctx.n_weight_tensors
         grad_input = grad_weight_t = None
-        with torch.autocast(grad_output.device.type, enabled=False):
+        with autocast_off(grad_output.device.type):
             go_lp, go_t = quantize_grouped(
                 grad_output,
                 offs,
