@@ -74,6 +74,8 @@ would not reproduce the one-device bits).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,7 +87,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from blockscale.distributed._collectives import all_reduce_amax
-from blockscale.distributed.weight import Container, QuantizedWeight, quantize_weight
+from blockscale.distributed.weight import Container, QuantizedWeight, _tensors, quantize_weight
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.nn.linear import Linear
@@ -323,13 +325,13 @@ class GatherLayout:
         cols = "" if self.columnwise is None else f" + columnwise {self.columnwise.describe()}"
         return f"rowwise {self.rowwise.describe()}{cols}"
 
-    @property
+    @functools.cached_property
     def needs_amax(self) -> bool:
         return any(
             c is not None and c.format is Format.NVFP4 for c in (self.rowwise, self.columnwise)
         )
 
-    @property
+    @functools.cached_property
     def cached(self) -> bool:
         """Whether the layer's weight cache keeps this layout's all-gather inputs between
         gathers (`CACHE_GATHER_INPUTS`, by the formats it holds)."""
@@ -400,6 +402,41 @@ class GatherLayout:
         weight = QuantizedWeight(self.shape, dtype, (self.rowwise, rowwise), columnwise)
         return weight, built
 
+    def assemble_into(
+        self, weight: QuantizedWeight, outputs: tuple[torch.Tensor, ...], amax: torch.Tensor | None
+    ) -> None:
+        """`assemble`'s values written into the QuantizedWeight an earlier `assemble` made
+        (FSDP2 hands it back at every later all-gather): the gathered buffers it views are
+        FSDP's own, re-filled in place, and what `assemble` built from them is rebuilt in
+        place here, one copy each, with no new tensors. Version counters are left alone, as
+        `QuantizedWeight.update_` leaves them (autograd may hold these tensors)."""
+        n, k = self.shape
+        row, col = weight.rowwise, weight.columnwise
+        targets = _tensors(row) + ([] if col is None else _tensors(col))
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(targets)):
+            _copy_bytes(row.data, outputs[0])
+            if self.rowwise.block == "16x16":
+                scale = outputs[1].view(torch.uint8)
+                repeated = scale.view(n // 16, 1, -1).expand(-1, 16, -1)
+                row.scale.view(torch.uint8).view(n // 16, 16, -1).copy_(repeated)
+            else:
+                _copy_bytes(row.scale, outputs[1])
+            if isinstance(row, NVFP4Tensor):
+                row.amax.copy_(amax.reshape(row.amax.shape))
+            if col is None:
+                return
+            w = self.world_size
+            for dst, src in ((col.data, outputs[2]), (col.scale, outputs[3])):
+                if w == 1:
+                    _copy_bytes(dst, src)
+                else:  # the W column blocks side by side, as `assemble` puts them
+                    if _same_memory(dst, src):  # `assemble` could view them (one column)
+                        continue
+                    blocks = src.view(torch.uint8).view(w, k, -1).permute(1, 0, 2)
+                    dst.view(torch.uint8).view(k, w, -1).copy_(blocks)
+            if isinstance(col, NVFP4Tensor):
+                col.amax.copy_(amax.reshape(col.amax.shape))
+
     @staticmethod
     def _container(
         config: OperandConfig,
@@ -420,6 +457,18 @@ class _GatherInputs:
 
     inputs: tuple[torch.Tensor, ...]
     amax: torch.Tensor | None
+
+
+def _same_memory(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether dst is a view `assemble` made of src (FSDP's all-gather buffer, which FSDP
+    re-fills in place), so that dst holds the new values already."""
+    return dst.data_ptr() == src.data_ptr()
+
+
+def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst = src's bytes, skipped where dst already views src's memory."""
+    if not _same_memory(dst, src):
+        dst.view(torch.uint8).copy_(src.view(torch.uint8).view(dst.shape))
 
 
 def _used_on_current_stream(tensors: list[torch.Tensor | None]) -> None:
@@ -446,6 +495,7 @@ class ShardedWeight(torch.Tensor):
 
     _data: torch.Tensor
     _layout: GatherLayout | None = None  # what the first all-gather sent
+    _layout_key: tuple = ()  # what `_layout` was worked out from
 
     @staticmethod
     def __new__(cls, data: torch.Tensor) -> ShardedWeight:
@@ -505,14 +555,19 @@ class ShardedWeight(torch.Tensor):
         mp_policy: Any,
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
         world_size = mesh.size()
-        layout = GatherLayout.for_layer(module, outer_size, world_size)
+        # The layout follows from these alone; worked out again only when one changes.
+        key = (id(module), module.recipe, module.quantize_enabled, tuple(outer_size), world_size)
+        if self._layout is not None and key == self._layout_key:
+            layout = self._layout
+        else:
+            layout = GatherLayout.for_layer(module, outer_size, world_size)
         if self._layout is not None and layout != self._layout:
             raise ValueError(
                 f"{module!r}: its weight was all-gathered as {self._layout.describe()}, now "
                 f"the recipe asks for {layout.describe()}; FSDP's buffers are fixed at the "
                 "first all-gather, so a layer's recipe cannot change under quantized all-gather"
             )
-        self._layout = layout
+        self._layout, self._layout_key = layout, key
         shard = self._data
         if tuple(shard.shape) != (outer_size[0] // world_size, outer_size[1]):
             raise ValueError(
@@ -572,13 +627,21 @@ class ShardedWeight(torch.Tensor):
         # The amax (and, on one rank, the inputs) were made in fsdp_pre_all_gather, which FSDP
         # runs on its all-gather copy-in stream; they are read here on the compute stream.
         _used_on_current_stream([amax, *(local or ())])
-        weight, built = layout.assemble(outputs, amax, param_dtype)
         if out is not None:
             if not isinstance(out, QuantizedWeight):
                 raise TypeError(f"FSDP handed back a {type(out).__name__}, not a QuantizedWeight")
-            out.update_(weight)
+            layout.assemble_into(out, outputs, amax)
             return None
+        weight, built = layout.assemble(outputs, amax, param_dtype)
         return weight, tuple(built)
+
+
+# FSDP2 reads the hook's signature at every all-gather of every weight (`inspect.signature`,
+# ~15-20 us of host time each time); a function's `__signature__` is what inspect returns
+# first, so it is worked out once, here.
+ShardedWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(  # type: ignore[attr-defined]
+    ShardedWeight.fsdp_pre_all_gather
+)
 
 
 def enable_quantized_all_gather(model: nn.Module) -> int:
