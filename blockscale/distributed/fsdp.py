@@ -347,7 +347,7 @@ class GatherLayout:
         out = [row.data, scale]
         if col is not None:
             out += [col.data, col.scale]
-        return [_as_bytes(t, torch.Tensor.contiguous) for t in out]
+        return [t if t.is_contiguous() else _as_bytes(t, torch.Tensor.contiguous) for t in out]
 
     def _quantize(
         self, shard: torch.Tensor, amax: torch.Tensor | None
@@ -421,8 +421,11 @@ class GatherLayout:
                 row.scale.view(torch.uint8).view(n // 16, 16, -1).copy_(repeated)
             else:
                 _copy_bytes(row.scale, outputs[1])
-            if isinstance(row, NVFP4Tensor):
+            # The amax of a cached gather is the same tensor at each re-gather of the step.
+            new_amax = amax is not None and amax is not getattr(weight, "_gathered_amax", None)
+            if new_amax and isinstance(row, NVFP4Tensor):
                 row.amax.copy_(amax.reshape(row.amax.shape))
+            weight._gathered_amax = amax
             if col is None:
                 return
             w = self.world_size
@@ -434,7 +437,7 @@ class GatherLayout:
                         continue
                     blocks = src.view(torch.uint8).view(w, k, -1).permute(1, 0, 2)
                     dst.view(torch.uint8).view(k, w, -1).copy_(blocks)
-            if isinstance(col, NVFP4Tensor):
+            if new_amax and isinstance(col, NVFP4Tensor):
                 col.amax.copy_(amax.reshape(col.amax.shape))
 
     @staticmethod

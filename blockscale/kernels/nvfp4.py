@@ -716,8 +716,11 @@ def quantize_both_2d(
 def nvfp4_dequantize_dq(q: NVFP4Tensor) -> torch.Tensor:
     """The BF16 `_dq` operand (code * block scale, no global scale) of a saved NVFP4Tensor;
     equals q.dq()."""
+    data, scale = q.data, q.scale.view(torch.uint8)
+    if data.dim() == 2 and data.is_contiguous() and scale.is_contiguous():
+        return _nvfp4_dequantize_2d(data, scale)  # (a GEMM operand's usual layout)
     cols = q.shape[-1]
     rows = q.shape[:-1].numel()  # (not -1: a tensor with no tokens has no values at all)
-    data = q.data.reshape(rows, cols // 2).contiguous()
-    scale = q.scale.view(torch.uint8).reshape(rows, cols // BLOCK).contiguous()
+    data = data.reshape(rows, cols // 2).contiguous()
+    scale = scale.reshape(rows, cols // BLOCK).contiguous()
     return _nvfp4_dequantize_2d(data, scale).reshape(q.shape)
