@@ -108,21 +108,17 @@ def test_bind_gives_tritons_bound_values_and_equal_keys_equal_specializations(ke
         for mine, theirs in zip(values, params.values(), strict=True):
             assert mine is theirs
         assert dict(opts) == options
-        keys.append(
-            spec.key(values, opts) if torch.cuda.is_available() else _cpu_key(spec, values, opts)
-        )
+        key = spec.key(values, opts, 0)
+        # the generated binder the launches use: the same key and the very same values
+        fast_key, fast_values = spec.fast_bind(0, *args, **kwargs)
+        assert fast_key == key
+        assert len(fast_values) == len(values)
+        assert all(a is b for a, b in zip(fast_values, values, strict=True))
+        keys.append(key)
         specializations.append((tuple(specialization), str(options)))
     for (ka, sa), (kb, sb) in itertools.combinations(zip(keys, specializations), 2):
         if ka == kb:
             assert sa == sb
-
-
-def _cpu_key(spec, values, options):
-    """spec.key without the CUDA device (what it adds is the same for every call here)."""
-    key = [options]
-    for value, constexpr in zip(values, spec.constexpr, strict=True):
-        key.append(value if constexpr else _launch._arg_key(value))
-    return tuple(key)
 
 
 def test_bind_rejects_what_triton_rejects():
@@ -134,6 +130,22 @@ def test_bind_rejects_what_triton_rejects():
         spec.bind((t, t, t, 1, 2, 1), dict(R=3, BR=32, BC=128))
     with pytest.raises(TypeError):  # too many
         spec.bind((t,) * 12, {})
+    for args, kwargs in (((t, t, t, 1, 2, 1), {}), ((t, t, t, 1, 2, 1), dict(R=3, BR=32, BC=128))):
+        with pytest.raises(TypeError):
+            spec.fast_bind(0, *args, **kwargs)
+    with pytest.raises(TypeError):
+        spec.fast_bind(0, *(t,) * 12)
+
+
+def test_fast_bind_keys_other_argument_types_as_arg_key_does():
+    """Runtime arguments other than plain tensors and ints (a Parameter, bools, floats, None,
+    descriptors) take `_arg_key` inside the generated binder: the key is `key`'s."""
+    spec = _launch._Kernel(_jit(_nvfp4_dequantize_kernel))
+    p = torch.nn.Parameter(torch.zeros(8, dtype=torch.uint8), requires_grad=False)
+    for r in (1, 16, 2**31, 2**63, True, 1.5, None, p):
+        args, kwargs = (p, p, p, r, 2, 1), dict(BR=32, BC=128, num_warps=4)
+        values, opts = spec.bind(args, kwargs)
+        assert spec.fast_bind(3, *args, **kwargs)[0] == spec.key(values, opts, 3)
 
 
 def test_gemm_descriptor_arguments_are_keyed():

@@ -52,6 +52,18 @@ def profiled(fn, reps: int, top: int) -> str:
     return text.getvalue()
 
 
+def op_profile(fn, reps: int, top: int) -> str:
+    """The torch profiler's host-side table of `reps` calls: each op's own host time (and the
+    CUDA runtime calls it makes), where cProfile sees only Python functions."""
+    for _ in range(2):
+        fn()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            fn()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+    return f"{reps} calls\n{table}"
+
+
 def gathered_weight(layer: torch.nn.Module, dtype: torch.dtype):
     """The QuantizedWeight FSDP2's quantized all-gather gives `layer` on one rank."""
     weight = layer.weight.detach()
@@ -138,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="512,4096,4096", help="M,K,N")
     parser.add_argument("--recipes", default="bf16,nvfp4,mxfp8")
     parser.add_argument("--profile", action="store_true", help="cProfile each case")
+    parser.add_argument(
+        "--ops", action="store_true", help="torch.profiler: each case's ops by own host time"
+    )
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument(
         "--launch", default="fast", help="fast, triton or both: kernels/_launch.py's FAST_LAUNCH"
@@ -159,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{case:48s} {mode:7s} {us:9.1f} us", flush=True)
                 if args.profile and mode == modes[0]:
                     profiles[case] = profiled(fn, max(10, reps // 4), args.top)
-    if args.profile:
+                if args.ops and mode == modes[0]:
+                    profiles[f"{case} (ops)"] = op_profile(fn, max(10, reps // 4), args.top)
+    if profiles:
         for case, text in profiles.items():
             print(f"\n=== {case}\n{text}")
     if args.json:
