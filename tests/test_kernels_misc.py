@@ -216,6 +216,33 @@ def test_gpu_large(shape):
     exact(kernels.swizzle_scales(s).view(torch.uint8), swizzle.to_blocked(s).view(torch.uint8))
 
 
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_amax_pairs_from_zeroed_blocks(monkeypatch):
+    """The amax kernels' zeroed pairs (`_ZeroedPairs`): across more than a block's pairs, on
+    two streams, with a NaN tensor between them (its pair holds the NaN bits afterwards), every
+    amax equals the reference, each pair is 16-byte aligned and none is handed out twice."""
+    monkeypatch.setattr(amax_module, "POOL_PAIRS", 8)
+    monkeypatch.setattr(amax_module, "_ZEROED", amax_module._ZeroedPairs())
+    xs = [randn(64, 128, seed=i) * (i + 1) for i in range(20)]
+    xs[5][3, 7] = float("nan")
+    side = torch.cuda.Stream()
+    seen, got = set(), []
+    for i, x in enumerate(xs):
+        stream = side if i % 3 == 0 else torch.cuda.current_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            plain, had = kernels.amax_fused(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        assert plain.data_ptr() % 16 == 0 and plain.data_ptr() not in seen
+        seen.add(plain.data_ptr())
+        got.append((plain, had))
+    torch.cuda.synchronize()
+    for x, (plain, had) in zip(xs, got, strict=True):
+        exact(plain, x.float().abs().amax())
+        exact(had, hadamard_t_amax(x))
+
+
 # ------------------------------------------------------------------- GEMM epilogue
 
 

@@ -11,11 +11,13 @@ tiles in registers and does one atomic max per result into an int32 device scala
 synchronization, and the result is exact and order-independent.
 """
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
 
-from blockscale._registry import library_op
+from blockscale._registry import library_op, tracing
 from blockscale.formats import hadamard as rht
 from blockscale.kernels._common import abs_bits, cdiv, max_keep_nan, round_to_bf16
 from blockscale.kernels._launch import launch
@@ -205,13 +207,49 @@ def _amax_rht_kernel(
     tl.atomic_max(out_ptr + 1, tl.max(abs_bits(round_to_bf16(acc_t)), axis=0))
 
 
+class _ZeroedPairs:
+    """Zeroed int32 pairs for the amax kernels' atomic maxima, handed out from blocks zeroed
+    POOL_PAIRS at a time: a `torch.zeros` is an allocation and a fill launch (about 55 us of
+    host time on an H100 host, once or twice in a quantized layer's forward and backward),
+    a pair from a block one slice. A pair is never handed out twice, and a block is freed when
+    the last amax viewing it is. Pairs start 16 bytes apart, so every amax keeps the
+    alignment (and Triton specialization) of a tensor of its own. One block per device and
+    stream, used only on the stream that zeroed it, so no kernel reads a pair before the fill
+    has run. Not used under a trace (the graph holds its own zeros) or while a CUDA graph is
+    captured (a replay would reuse the pair without zeroing it)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[tuple, list] = {}
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        if device.type != "cuda" or tracing() or torch._C._cuda_isCurrentStreamCapturing():
+            return torch.zeros(2, dtype=torch.int32, device=device)
+        key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+        block = self.blocks.get(key)
+        index = POOL_PAIRS if block is None else next(block[1])  # (atomic: no pair twice)
+        if index >= POOL_PAIRS:
+            zeros = torch.zeros(POOL_PAIRS, 4, dtype=torch.int32, device=device)
+            block = self.blocks[key] = (zeros, itertools.count(1))
+            index = 0
+        return block[0][index, :2]
+
+
+POOL_PAIRS = 512
+_ZEROED = _ZeroedPairs()
+
+
+def _zeroed_pair(device: torch.device) -> torch.Tensor:
+    """A zeroed int32 [2] on `device` for one amax launch (`_ZeroedPairs`)."""
+    return _ZEROED.take(device)
+
+
 @library_op("blockscale::amax_2d", mutates_args=(), triton=True, any_strides=True)
 def _amax_2d(x: torch.Tensor, plain: bool, hadamard_t: bool) -> torch.Tensor:
     """FP32 [2]: (max |x|, max |Hadamard transform of x along dim 0|); unrequested ones 0."""
     M, K = x.shape
     if hadamard_t:
         _check_hadamard(x)
-    out = torch.zeros(2, dtype=torch.int32, device=x.device)
+    out = _zeroed_pair(x.device)
     if M and K:
         bm, bk, warps, per_program = TILES["hadamard" if hadamard_t else "plain"]
         if hadamard_t:

@@ -650,6 +650,11 @@ def nvfp4_quantize_both(
     return q_row, q_col
 
 
+def _no_grad(t: torch.Tensor) -> torch.Tensor:
+    """t detached where autograd tracks it (an op a call saved where it does not)."""
+    return t.detach() if t.requires_grad else t
+
+
 def quantize_2d(
     x2: torch.Tensor,
     block_2d: bool,
@@ -675,7 +680,7 @@ def quantize_2d(
         col_hadamard=hadamard, dq_row=dq, dq_col=dq,
     )  # fmt: skip
     data, scale, dq_t = out[3:] if col else out[:3]
-    return data, scale, dq_t, amax.detach()
+    return data, scale, dq_t, _no_grad(amax)
 
 
 def quantize_both_2d(
@@ -710,7 +715,7 @@ def quantize_both_2d(
         row=True, col=True, row_2d=row_2d, col_2d=col_2d, row_sr=row_sr, col_sr=col_sr,
         col_hadamard=col_hadamard, dq_row=dq_row, dq_col=dq_col,
     )  # fmt: skip
-    return data, scale, dq, amax_row.detach(), data_t, scale_t, dq_t, amax_col.detach()
+    return data, scale, dq, _no_grad(amax_row), data_t, scale_t, dq_t, _no_grad(amax_col)
 
 
 def nvfp4_dequantize_dq(q: NVFP4Tensor) -> torch.Tensor:
