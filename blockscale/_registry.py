@@ -66,6 +66,7 @@ expert weights before it transposes them for this). Tests:
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -107,6 +108,20 @@ def _with_constants(fn: Callable[..., Any]) -> Callable[..., Any]:
             fake_tensor_tls.allow_non_fake_inputs_override = saved
 
     return run
+
+
+class _Eager(threading.local):
+    on = False
+
+
+_EAGER = _Eager()
+
+
+def in_eager_call() -> bool:
+    """Whether this thread is inside an eager call of a Triton-backed op (`call` below), as
+    opposed to the registered op run by a compiled graph, where the graph's memory and
+    streams are its own (CUDA-graph trees warm up and replay it from a private pool)."""
+    return _EAGER.on
 
 
 _FAKE = torch._C._TorchDispatchModeKey.FAKE
@@ -223,12 +238,12 @@ def library_op(
                 if _WRAP_FLAG is None:
                     with set_wrap_triton_enabled(False):
                         return fn(*args, **kwargs)
-                saved = getattr(_WRAP_FLAG, "value", _WRAP_DEFAULT)
-                _WRAP_FLAG.value = False
+                saved, was_eager = getattr(_WRAP_FLAG, "value", _WRAP_DEFAULT), _EAGER.on
+                _WRAP_FLAG.value, _EAGER.on = False, True
                 try:
                     return fn(*args, **kwargs)
                 finally:
-                    _WRAP_FLAG.value = saved
+                    _WRAP_FLAG.value, _EAGER.on = saved, was_eager
             return fn(*args, **kwargs)
 
         call.op = registered  # type: ignore[attr-defined]

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blockscale._registry import library_op, tracing
+from blockscale._registry import in_eager_call, library_op
 from blockscale.formats import hadamard as rht
 from blockscale.kernels._common import abs_bits, cdiv, max_keep_nan, round_to_bf16
 from blockscale.kernels._launch import launch
@@ -215,14 +215,20 @@ class _ZeroedPairs:
     the last amax viewing it is. Pairs start 16 bytes apart, so every amax keeps the
     alignment (and Triton specialization) of a tensor of its own. One block per device and
     stream, used only on the stream that zeroed it, so no kernel reads a pair before the fill
-    has run. Not used under a trace (the graph holds its own zeros) or while a CUDA graph is
-    captured (a replay would reuse the pair without zeroing it)."""
+    has run. Eager calls only (`_registry.in_eager_call`): a trace holds its own zeros, and a
+    compiled graph's op may run where memory is a CUDA-graph pool's (torch.compile's
+    reduce-overhead mode warms up and replays from one, which would overwrite a block kept
+    here); nor while a CUDA graph is captured (a replay would reuse the pair unzeroed)."""
 
     def __init__(self) -> None:
         self.blocks: dict[tuple, list] = {}
 
     def take(self, device: torch.device) -> torch.Tensor:
-        if device.type != "cuda" or tracing() or torch._C._cuda_isCurrentStreamCapturing():
+        if (
+            device.type != "cuda"
+            or not in_eager_call()
+            or torch._C._cuda_isCurrentStreamCapturing()
+        ):
             return torch.zeros(2, dtype=torch.int32, device=device)
         key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
         block = self.blocks.get(key)
