@@ -87,7 +87,13 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from blockscale.distributed._collectives import all_reduce_amax
-from blockscale.distributed.weight import Container, QuantizedWeight, _tensors, quantize_weight
+from blockscale.distributed.weight import (
+    Container,
+    QuantizedWeight,
+    _tensors,
+    copy_values,
+    quantize_weight,
+)
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.nn.linear import Linear
@@ -414,13 +420,13 @@ class GatherLayout:
         row, col = weight.rowwise, weight.columnwise
         targets = _tensors(row) + ([] if col is None else _tensors(col))
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(targets)):
-            _copy_bytes(row.data, outputs[0])
+            copy_values(row.data, outputs[0])
             if self.rowwise.block == "16x16":
                 scale = outputs[1].view(torch.uint8)
                 repeated = scale.view(n // 16, 1, -1).expand(-1, 16, -1)
                 row.scale.view(torch.uint8).view(n // 16, 16, -1).copy_(repeated)
             else:
-                _copy_bytes(row.scale, outputs[1])
+                copy_values(row.scale, outputs[1])
             # The amax of a cached gather is the same tensor at each re-gather of the step.
             new_amax = amax is not None and amax is not getattr(weight, "_gathered_amax", None)
             if new_amax and isinstance(row, NVFP4Tensor):
@@ -431,10 +437,9 @@ class GatherLayout:
             w = self.world_size
             for dst, src in ((col.data, outputs[2]), (col.scale, outputs[3])):
                 if w == 1:
-                    _copy_bytes(dst, src)
-                else:  # the W column blocks side by side, as `assemble` puts them
-                    if _same_memory(dst, src):  # `assemble` could view them (one column)
-                        continue
+                    copy_values(dst, src)
+                elif dst.data_ptr() != src.data_ptr():  # (`assemble` views one column)
+                    # the W column blocks side by side, as `assemble` puts them
                     blocks = src.view(torch.uint8).view(w, k, -1).permute(1, 0, 2)
                     dst.view(torch.uint8).view(k, w, -1).copy_(blocks)
             if new_amax and isinstance(col, NVFP4Tensor):
@@ -460,18 +465,6 @@ class _GatherInputs:
 
     inputs: tuple[torch.Tensor, ...]
     amax: torch.Tensor | None
-
-
-def _same_memory(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Whether dst is a view `assemble` made of src (FSDP's all-gather buffer, which FSDP
-    re-fills in place), so that dst holds the new values already."""
-    return dst.data_ptr() == src.data_ptr()
-
-
-def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst = src's bytes, skipped where dst already views src's memory."""
-    if not _same_memory(dst, src):
-        dst.view(torch.uint8).copy_(src.view(torch.uint8).view(dst.shape))
 
 
 def _used_on_current_stream(tensors: list[torch.Tensor | None]) -> None:

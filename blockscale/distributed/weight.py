@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from blockscale import _library
-from blockscale.formats import mxfp8, nvfp4
+from blockscale.formats import mxfp8
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.ops.quantize import as_operand, quantize_operand
@@ -60,6 +60,16 @@ def _tensors(q: Container) -> list[torch.Tensor]:
     if isinstance(q, NVFP4Tensor):
         return [q.data, q.scale, q.amax]
     return [q.data, q.scale]
+
+
+def copy_values(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst = src (as dst's shape), skipped where dst already is src's memory; one-byte codes
+    and float8 scales are copied as bytes, which every device's copy kernel supports."""
+    if dst.data_ptr() == src.data_ptr():
+        return
+    if dst.element_size() == 1:
+        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+    dst.copy_(src.view(dst.shape))
 
 
 class QuantizedWeight(torch.Tensor):
@@ -180,10 +190,7 @@ class QuantizedWeight(torch.Tensor):
             raise ValueError("update_ needs a QuantizedWeight with the same layout")
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(mine)):
             for dst, src in zip(mine, theirs, strict=True):
-                if dst is not src and dst.data_ptr() != src.data_ptr():
-                    if dst.element_size() == 1:  # float8 scales and codes: copy the bytes
-                        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
-                    dst.copy_(src)
+                copy_values(dst, src)
 
     def _same_weight(self, requires_grad: bool = False) -> QuantizedWeight:
         columnwise = None
@@ -235,15 +242,12 @@ def quantize_weight(
     """A weight (or a shard of one) quantized per `config`, along its last dim or, with
     transpose=True, its first; NVFP4 with the given tensor amax (None: its own). The Triton
     kernels on CUDA, formats/ elsewhere: the same bits."""
-    kernels = _library.kernels() if _library.use_kernels(x) else None
     if config.format is Format.NVFP4:
-        if kernels is not None and config.rounding is Rounding.NEAREST and not config.hadamard:
-            # ops' checked kernel entry, where the layout fits it (else the public one below)
-            return quantize_operand(x, config, transpose=transpose, amax=amax)
-        options = {"block": config.block, "rounding": "nearest", "transpose": transpose}
-        if kernels is not None:
-            return kernels.nvfp4_quantize(x, amax=amax, **options)
-        return nvfp4.quantize(x, amax=amax, **options)
+        # a weight's copy rounds to nearest, with no Hadamard transform, whatever `config` says
+        if config.rounding is not Rounding.NEAREST or config.hadamard:
+            config = OperandConfig(Format.NVFP4, block=config.block)
+        return quantize_operand(x, config, transpose=transpose, amax=amax)
+    kernels = _library.kernels() if _library.use_kernels(x) else None
     if kernels is not None:
         return kernels.mxfp8_quantize(x, transpose=transpose)
     return mxfp8.quantize(x, transpose=transpose)

@@ -244,18 +244,13 @@ POOL_PAIRS = 512
 _ZEROED = _ZeroedPairs()
 
 
-def _zeroed_pair(device: torch.device) -> torch.Tensor:
-    """A zeroed int32 [2] on `device` for one amax launch (`_ZeroedPairs`)."""
-    return _ZEROED.take(device)
-
-
 @library_op("blockscale::amax_2d", mutates_args=(), triton=True, any_strides=True)
 def _amax_2d(x: torch.Tensor, plain: bool, hadamard_t: bool) -> torch.Tensor:
     """FP32 [2]: (max |x|, max |Hadamard transform of x along dim 0|); unrequested ones 0."""
     M, K = x.shape
     if hadamard_t:
         _check_hadamard(x)
-    out = _zeroed_pair(x.device)
+    out = _ZEROED.take(x.device)  # zeroed int32 [2]
     if M and K:
         bm, bk, warps, per_program = TILES["hadamard" if hadamard_t else "plain"]
         if hadamard_t:

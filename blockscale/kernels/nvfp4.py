@@ -569,22 +569,11 @@ def nvfp4_quantize(
     else:
         _checks.check_blocks(M, K, "NVFP4", BLOCK if block == "16x16" else 1, BLOCK)
         shape = x.shape
-    # The kernel applies the Hadamard transform only on its columnwise path, so a rowwise
-    # Hadamard copy is the columnwise copy of x's transpose view.
-    src, col = (x2.t(), True) if (hadamard and not transpose) else (x2, transpose)
-    if amax is None:
-        amax = amax_of_copy(src, hadamard_t=hadamard)
-    amax = _as_amax(amax, x.device)
-    sr = rounding == "stochastic"
-    seed = sr_seed(x.device, generator) if sr and rand is None else None
     rand2 = None if rand is None else rand.reshape(-1, shape[-1]).float().contiguous()
-    out = _nvfp4_quantize_2d(
-        src, amax, amax, seed,
-        None if col else rand2, rand2 if col else None,
-        row=not col, col=col, row_2d=block == "16x16", col_2d=block == "16x16",
-        row_sr=sr, col_sr=sr, col_hadamard=hadamard, dq_row=return_dq, dq_col=return_dq,
+    data, scale, dq, amax = quantize_2d(
+        x2, block == "16x16", rounding == "stochastic", hadamard, transpose, amax, return_dq,
+        generator, rand2,
     )  # fmt: skip
-    data, scale, dq = out[3:] if col else out[:3]
     q = _container(data, scale, amax, shape, block, hadamard)
     if return_dq:
         return q, dq.reshape(shape)
@@ -626,19 +615,10 @@ def nvfp4_quantize_both(
     M, K = x2.shape
     _checks.check_blocks(M, K, "NVFP4", BLOCK if r["block"] == "16x16" else 1, BLOCK)
     _checks.check_blocks(K, M, "NVFP4", BLOCK if c["block"] == "16x16" else 1, BLOCK)
-    amax_r, amax_c = r["amax"], c["amax"]
-    if amax_r is None or amax_c is None:
-        plain, had = amax_fused(x2, hadamard_t=c["hadamard"])
-        amax_r = plain if amax_r is None else amax_r
-        amax_c = (had if c["hadamard"] else plain) if amax_c is None else amax_c
-    amax_r, amax_c = _as_amax(amax_r, x.device), _as_amax(amax_c, x.device)
-    row_sr, col_sr = r["rounding"] == "stochastic", c["rounding"] == "stochastic"
-    seed = sr_seed(x.device, generator) if row_sr or col_sr else None
-    data, scale, dq, data_t, scale_t, dq_t = _nvfp4_quantize_2d(
-        x2, amax_r, amax_c, seed, None, None,
-        row=True, col=True, row_2d=r["block"] == "16x16", col_2d=c["block"] == "16x16",
-        row_sr=row_sr, col_sr=col_sr, col_hadamard=c["hadamard"], dq_row=want_row,
-        dq_col=want_col,
+    data, scale, dq, amax_r, data_t, scale_t, dq_t, amax_c = quantize_both_2d(
+        x2, r["block"] == "16x16", r["rounding"] == "stochastic", c["block"] == "16x16",
+        c["rounding"] == "stochastic", c["hadamard"], r["amax"], c["amax"], want_row, want_col,
+        generator,
     )  # fmt: skip
     q_row = _container(data, scale, amax_r, x.shape, r["block"], False)
     q_col = _container(data_t, scale_t, amax_c, torch.Size((K, M)), c["block"], c["hadamard"])
@@ -666,18 +646,22 @@ def quantize_2d(
     amax: torch.Tensor | None,
     dq: bool,
     generator: torch.Generator | None = None,
+    rand: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """`nvfp4_quantize` of a 2-D x2 for a caller that checked its arguments (ops/quantize.py:
-    the blocks fit, options from a validated OperandConfig). Returns (data, scale bytes, dq or
-    an empty tensor, amax as an FP32 scalar): the tensors `nvfp4_quantize` wraps."""
+    """The launch of `nvfp4_quantize`, for it and for callers that checked their arguments
+    (ops/quantize.py: the blocks fit, options from a validated OperandConfig), which then
+    skip its checks and containers. Returns (data, scale bytes, dq or an empty tensor, amax
+    as an FP32 scalar). `rand`: `nvfp4_quantize`'s, as FP32 [rows, cols] of the copy."""
+    # The kernel applies the Hadamard transform only on its columnwise path, so a rowwise
+    # Hadamard copy is the columnwise copy of x's transpose view.
     src, col = (x2.t(), True) if (hadamard and not transpose) else (x2, transpose)
     if amax is None:
         amax = amax_of_copy(src, hadamard_t=hadamard)
     elif amax.dtype != torch.float32 or amax.dim() or amax.device != x2.device:
         amax = _as_amax(amax, x2.device).reshape(())
-    seed = sr_seed(x2.device, generator) if sr else None
+    seed = sr_seed(x2.device, generator) if sr and rand is None else None
     out = _nvfp4_quantize_2d(
-        src, amax, amax, seed, None, None,
+        src, amax, amax, seed, None if col else rand, rand if col else None,
         row=not col, col=col, row_2d=block_2d, col_2d=block_2d, row_sr=sr, col_sr=sr,
         col_hadamard=hadamard, dq_row=dq, dq_col=dq,
     )  # fmt: skip
@@ -698,9 +682,10 @@ def quantize_both_2d(
     dq_col: bool,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """`nvfp4_quantize_both` for a caller that checked its arguments (ops/quantize.py: x2
-    [M, K] with M and K multiples of 16, options from a validated OperandConfig), without
-    building option dicts and containers twice per call. Returns the raw outputs: (data,
+    """The launch of `nvfp4_quantize_both`, for it and for callers that checked their
+    arguments (ops/quantize.py: x2 [M, K] with M and K multiples of 16, options from a
+    validated OperandConfig), which then skip its option dicts, checks and containers.
+    The global amaxes, when not given, come from one fused amax pass. Returns (data,
     scale bytes, dq or an empty tensor, row amax, data_t, scale_t bytes, dq_t, column amax),
     each amax an FP32 scalar tensor (given ones converted as `nvfp4_quantize_both` does)."""
     if amax_row is None or amax_col is None:
