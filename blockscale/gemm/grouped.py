@@ -20,6 +20,12 @@ so the CPU result equals a loop of `linear` bit for bit. `native` is Blackwell's
 `F.scaled_grouped_mm` (gemm/native_grouped.py, **unverified on hardware**), which writes BF16
 only: a grouped GEMM with another output dtype (grad_weight of FP32 master weights) stays
 emulated. `auto` picks native only where the native grouped GEMM can run.
+
+Packed expert weights (`packed_weight_rule`, off by default until measured on a GPU): the
+emulated rows GEMMs can read the expert weight as its packed codes and scales, each weight
+tile decoded to the `_dq` values in registers (kernels/grouped_gemm.py,
+`grouped_gemm_rows_packed`), so no `_dq` of the weight is made; the same bits up to the order
+of the FP32 additions (the same order as the `_dq` kernel's, tile for tile).
 """
 
 from __future__ import annotations
@@ -34,6 +40,19 @@ from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import BLOCK, NVFP4Tensor, decode_scale
 from blockscale.gemm import emulated, native
 from blockscale.gemm.dispatch import Backend, resolve_backend
+
+# Whether the emulated rows GEMMs (output, grad_input) read the expert weight packed rather than
+# through its `_dq` (`packed_weight_rule`). Off until measured on a GPU (docs/KERNELS.md, "Rows
+# GEMMs that read the expert weights packed"); a benchmark or test sets it to compare the two.
+PACKED_WEIGHT = False
+
+
+def packed_weight_rule(weight: torch.Tensor) -> bool:
+    """Whether the rows GEMMs read this expert weight (the tensor its copies are quantized
+    from, or a copy's codes) packed: `PACKED_WEIGHT` on and the kernels run on it. The one
+    place that decides: ops/grouped_mm.py asks it whether the weight's copies need a `_dq`,
+    and `grouped_mm_rows` whether to launch the packed kernel."""
+    return PACKED_WEIGHT and _library.use_kernels(weight)
 
 
 @dataclass
@@ -79,8 +98,12 @@ def _is_nvfp4(op: Operand) -> bool:
     return isinstance(op, NVFP4Tensor | TransposedExperts)
 
 
+def _data(op: Operand) -> torch.Tensor:
+    return (op.base if isinstance(op, TransposedExperts) else op).data
+
+
 def _device(op: Operand) -> torch.device:
-    return (op.base if isinstance(op, TransposedExperts) else op).data.device
+    return _data(op).device
 
 
 def _hadamard(op: Operand) -> bool:
@@ -115,6 +138,17 @@ def _dq_operands(a: Operand, b: Operand):
     """(a_dq, b_dq, the per-group amaxes or None) of the emulated GEMM."""
     dtype = _dq_dtype(a)
     return a.dq(dtype), b.dq(dtype), _amaxes(a, b)
+
+
+def _packed_rows(a: Operand, b: Operand, offs: torch.Tensor, out_dtype: torch.dtype):
+    """The rows GEMM reading the expert weight `b` packed (no `_dq` of it)."""
+    base = b.base if isinstance(b, TransposedExperts) else b
+    fmt = "nvfp4" if _is_nvfp4(b) else "mxfp8"
+    kmajor = not isinstance(b, TransposedExperts)
+    a_dq = a.dq(_dq_dtype(a))
+    return _library.kernels().grouped_gemm_rows_packed(
+        a_dq, base.data, base.scale, offs, fmt, kmajor, _amaxes(a, b), out_dtype
+    )
 
 
 def _host_bounds(ends: torch.Tensor) -> list[tuple[int, int]]:
@@ -164,6 +198,8 @@ def grouped_mm_rows(
     _check(a, b)
     if _native_for(a, out_dtype, backend):
         return _native(a, b, offs)
+    if packed_weight_rule(_data(b)):
+        return _packed_rows(a, b, offs, out_dtype)
     a_dq, b_dq, amax = _dq_operands(a, b)
     if _library.use_kernels(a_dq):
         return _library.kernels().grouped_gemm_rows(a_dq, b_dq, offs, amax, out_dtype)

@@ -17,7 +17,11 @@ from blockscale.kernels.grouped import (
     nvfp4_quantize_experts_t,
     nvfp4_quantize_grouped,
 )
-from blockscale.kernels.grouped_gemm import grouped_gemm_rows, grouped_gemm_tokens
+from blockscale.kernels.grouped_gemm import (
+    grouped_gemm_rows,
+    grouped_gemm_rows_packed,
+    grouped_gemm_tokens,
+)
 from blockscale.kernels.mxfp8 import mxfp8_dequantize_dq, mxfp8_quantize, mxfp8_quantize_both
 from blockscale.kernels.nvfp4 import (
     nvfp4_dequantize_dq,
@@ -37,6 +41,7 @@ __all__ = [
     "gemm_epilogue",
     "group_amax",
     "grouped_gemm_rows",
+    "grouped_gemm_rows_packed",
     "grouped_gemm_tokens",
     "mxfp8_quantize_experts",
     "mxfp8_quantize_grouped",

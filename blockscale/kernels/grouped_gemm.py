@@ -33,7 +33,15 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from blockscale._registry import library_op
-from blockscale.kernels._common import bf16_bits, cdiv, interpreting, round_to_bf16
+from blockscale.kernels._common import (
+    bf16_bits,
+    cdiv,
+    e4m3_byte_value,
+    exp2_int,
+    interpreting,
+    round_to_bf16,
+    with_sign,
+)
 from blockscale.kernels._launch import direct
 from blockscale.kernels.epilogue import _decode_scale, _mul_rn
 from blockscale.kernels.gemm import _programs, _tile
@@ -66,6 +74,17 @@ TOKENS_PERSISTENT = True
 TOKENS_GROUP_M = 8
 TOKENS_PERSISTENT_STAGES = 3
 OPERAND_DTYPES = (torch.bfloat16, torch.float32)
+# The rows kernel with the expert weight read packed (`grouped_gemm_rows_packed`): its own
+# tiles, since each program also decodes its weight tile in registers. Not yet measured on a
+# GPU (docs/KERNELS.md, "Rows GEMMs that read the expert weights packed"): the rows kernel's
+# tiles until then; `bench_grouped_mm.py --packed` sweeps others.
+ROWS_PACKED_CONFIG = ROWS_CONFIG
+# What the rows kernel's B_FORMAT says about the expert weight it reads: the BF16 (or FP32)
+# `_dq` tensor through TMA, or packed NVFP4 / MXFP8 codes and scales through plain loads.
+B_DQ = tl.constexpr(0)
+B_NVFP4 = tl.constexpr(1)
+B_MXFP8 = tl.constexpr(2)
+PACKED_FORMATS = {"nvfp4": 1, "mxfp8": 2}
 
 
 @triton.jit
@@ -101,23 +120,85 @@ def _find_group(tile_ends_ptr, t, E, SEARCH_STEPS: tl.constexpr):
 
 
 @triton.jit
-def _rows_k_step(a_desc, b_desc, r0, n0, g, ki, acc, B_KMAJOR: tl.constexpr,
-                 DOT_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    """acc + one BK step of the contraction: rows r0.. of a against expert g's weight tile n0.."""
-    a = a_desc.load([r0, ki * BK])
-    if B_KMAJOR:
-        b = tl.reshape(b_desc.load([g, n0, ki * BK]), [BN, BK]).T
+def e2m1_value(codes):
+    """int32 E2M1 codes (0..15) -> FP32 values; code 8 is -0.0, as formats/e2m1.decode."""
+    idx = codes & 7
+    big = idx >= 2
+    mag = tl.where(big, ((idx + 252) << 22).to(tl.float32, bitcast=True), idx.to(tl.float32) * 0.5)
+    return with_sign(mag, (codes & 8) != 0)
+
+
+@triton.jit
+def _packed_tile(q_ptr, s_ptr, strides, g, r0, c0, R, C, B_FORMAT: tl.constexpr,
+                 DOT_F32: tl.constexpr, HW: tl.constexpr, TR: tl.constexpr,
+                 TC: tl.constexpr):  # fmt: skip
+    """Rows r0.. and columns c0.. ([TR, TC]) of expert g's `_dq` operand, decoded from the
+    packed copy [E, R, C] (quantized along C; `strides`: the codes' and the scales' strides
+    along E and R, unit along C): code value times
+    decoded block scale in FP32, as the dequantize kernels form it, then BF16 (FP32 under
+    DOT_F32, holding the BF16 value). Out-of-range rows and columns read as zero, as TMA's
+    padding gives them to the `_dq` path."""
+    stride_qe, stride_qr, stride_se, stride_sr = strides
+    rows = (r0 + tl.arange(0, TR))[:, None]
+    rmask = rows < R
+    g64 = g.to(tl.int64)  # (a stack of expert weights passes 2^31 bytes)
+    q_rows = q_ptr + g64 * stride_qe + rows.to(tl.int64) * stride_qr
+    s_rows = s_ptr + g64 * stride_se + rows.to(tl.int64) * stride_sr
+    if B_FORMAT == B_NVFP4:
+        half = c0 // 2 + tl.arange(0, TC // 2)
+        packed = tl.load(q_rows + half[None, :],
+                         mask=rmask & (half < C // 2)[None, :], other=0).to(tl.int32)  # fmt: skip
+        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [TR, TC])
+        sc = c0 // 16 + tl.arange(0, TC // 16)
+        scode = tl.load(s_rows + sc[None, :],
+                        mask=rmask & (sc < C // 16)[None, :], other=0).to(tl.int32)  # fmt: skip
+        v = tl.reshape(e2m1_value(codes), [TR, TC // 16, 16]) * e4m3_byte_value(scode)[:, :, None]
     else:
-        b = tl.reshape(b_desc.load([g, ki * BK, n0]), [BK, BN])
+        cols = c0 + tl.arange(0, TC)
+        byte = tl.load(q_rows + cols[None, :],
+                       mask=rmask & (cols < C)[None, :], other=0).to(tl.int32)  # fmt: skip
+        sc = c0 // 32 + tl.arange(0, TC // 32)
+        ecode = tl.load(s_rows + sc[None, :],
+                        mask=rmask & (sc < C // 32)[None, :], other=127).to(tl.int32)  # fmt: skip
+        scale = tl.where(ecode == 255, float("nan"), exp2_int(ecode - 127))
+        v = tl.reshape(e4m3_byte_value(byte), [TR, TC // 32, 32]) * scale[:, :, None]
+    # NVFP4's products are exact in BF16; an MXFP8 product below 2^-133 rounds, as in `_dq`
+    v = tl.reshape(v, [TR, TC])
+    if DOT_F32:
+        return round_to_bf16(v, HW)
+    else:
+        return v.to(tl.bfloat16)
+
+
+@triton.jit
+def _rows_k_step(a_desc, b_desc, bq_ptr, bs_ptr, b_strides, r0, n0, g, ki, N, K, acc,
+                 B_KMAJOR: tl.constexpr, B_FORMAT: tl.constexpr, DOT_F32: tl.constexpr,
+                 HW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """acc + one BK step of the contraction: rows r0.. of a against expert g's weight tile n0..
+    The weight comes from its `_dq` (b_desc) or, with B_FORMAT, packed (bq_ptr, bs_ptr and
+    their strides along E and R, `b_strides`: the
+    copy along K [E, N, K] when B_KMAJOR, else the 16x16 copy [E, K, N] read transposed)."""
+    a = a_desc.load([r0, ki * BK])
+    if B_FORMAT == B_DQ:
+        if B_KMAJOR:
+            b = tl.reshape(b_desc.load([g, n0, ki * BK]), [BN, BK]).T
+        else:
+            b = tl.reshape(b_desc.load([g, ki * BK, n0]), [BK, BN])
+    elif B_KMAJOR:
+        b = _packed_tile(bq_ptr, bs_ptr, b_strides, g, n0, ki * BK, N, K, B_FORMAT, DOT_F32,
+                         HW, BN, BK).T  # fmt: skip
+    else:
+        b = _packed_tile(bq_ptr, bs_ptr, b_strides, g, ki * BK, n0, K, N, B_FORMAT, DOT_F32,
+                         HW, BK, BN)  # fmt: skip
     return _dot(a, b, acc, DOT_F32)
 
 
 @triton.jit
 def _rows_tile(
-    a_desc, b_desc, out_ptr, stride_om, offs_ptr, tile_ends_ptr, amax_a_ptr, amax_b_ptr,
-    t, pid_n, M, N, K, E,
+    a_desc, b_desc, bq_ptr, bs_ptr, b_strides, out_ptr, stride_om, offs_ptr, tile_ends_ptr, amax_a_ptr,
+    amax_b_ptr, t, pid_n, M, N, K, E,
     HAS_ALPHA: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr, B_KMAJOR: tl.constexpr,
-    DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    B_FORMAT: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     """Output tile (row tile t of the group layout, column tile pid_n)."""
@@ -133,11 +214,13 @@ def _rows_tile(
     if INTERPRET:
         ki = 0
         while ki < k_tiles:
-            acc = _rows_k_step(a_desc, b_desc, r0, n0, g, ki, acc, B_KMAJOR, DOT_F32, BN, BK)
+            acc = _rows_k_step(a_desc, b_desc, bq_ptr, bs_ptr, b_strides, r0, n0, g, ki, N, K, acc,
+                               B_KMAJOR, B_FORMAT, DOT_F32, ASM, BN, BK)  # fmt: skip
             ki += 1
     else:
         for ki in range(k_tiles):
-            acc = _rows_k_step(a_desc, b_desc, r0, n0, g, ki, acc, B_KMAJOR, DOT_F32, BN, BK)
+            acc = _rows_k_step(a_desc, b_desc, bq_ptr, bs_ptr, b_strides, r0, n0, g, ki, N, K, acc,
+                               B_KMAJOR, B_FORMAT, DOT_F32, ASM, BN, BK)  # fmt: skip
     alpha = _alpha(amax_a_ptr, amax_b_ptr, g, E, HAS_ALPHA)
     acc = _mul_rn(acc, tl.broadcast_to(alpha, [BM, BN]), ASM)
     rows = r0 + tl.arange(0, BM)
@@ -152,14 +235,15 @@ def _rows_tile(
 
 @triton.jit
 def _rows_kernel(
-    a_desc, b_desc, out_ptr, stride_om, offs_ptr, tile_ends_ptr, amax_a_ptr, amax_b_ptr,
-    M, N, K, E, num_pid_n,
+    a_desc, b_desc, bq_ptr, bs_ptr, stride_qe, stride_qr, stride_se, stride_sr, out_ptr,
+    stride_om, offs_ptr, tile_ends_ptr, amax_a_ptr, amax_b_ptr, M, N, K, E, num_pid_n,
     HAS_ALPHA: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr, B_KMAJOR: tl.constexpr,
-    DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    B_FORMAT: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):  # fmt: skip
+    b_strides = (stride_qe, stride_qr, stride_se, stride_sr)  # (of a packed weight)
     # tile_ends[E]: the row tiles of all groups, the one past offs[-1] included
     num_row_tiles = tl.load(tile_ends_ptr + E)
     num_tiles = num_row_tiles * num_pid_n
@@ -170,27 +254,27 @@ def _rows_kernel(
             tile_id = tl.program_id(0)
             while tile_id < num_tiles:
                 t, pid_n = _tile(tile_id, num_row_tiles, num_pid_n, GROUP_M)
-                _rows_tile(a_desc, b_desc, out_ptr, stride_om, offs_ptr, tile_ends_ptr, amax_a_ptr,
-                           amax_b_ptr, t, pid_n, M, N, K, E,
-                           HAS_ALPHA, OUT_BF16, ASM, B_KMAJOR, DOT_F32, INTERPRET, SEARCH_STEPS,
-                           BM, BN, BK)  # fmt: skip
+                _rows_tile(a_desc, b_desc, bq_ptr, bs_ptr, b_strides, out_ptr, stride_om, offs_ptr,
+                           tile_ends_ptr, amax_a_ptr, amax_b_ptr, t, pid_n, M, N, K, E,
+                           HAS_ALPHA, OUT_BF16, ASM, B_KMAJOR, B_FORMAT, DOT_F32, INTERPRET,
+                           SEARCH_STEPS, BM, BN, BK)  # fmt: skip
                 tile_id += PROGRAMS
         else:
             for tile_id in tl.range(tl.program_id(0), num_tiles, PROGRAMS, flatten=FLATTEN):
                 t, pid_n = _tile(tile_id, num_row_tiles, num_pid_n, GROUP_M)
-                _rows_tile(a_desc, b_desc, out_ptr, stride_om, offs_ptr, tile_ends_ptr, amax_a_ptr,
-                           amax_b_ptr, t, pid_n, M, N, K, E,
-                           HAS_ALPHA, OUT_BF16, ASM, B_KMAJOR, DOT_F32, INTERPRET, SEARCH_STEPS,
-                           BM, BN, BK)  # fmt: skip
+                _rows_tile(a_desc, b_desc, bq_ptr, bs_ptr, b_strides, out_ptr, stride_om, offs_ptr,
+                           tile_ends_ptr, amax_a_ptr, amax_b_ptr, t, pid_n, M, N, K, E,
+                           HAS_ALPHA, OUT_BF16, ASM, B_KMAJOR, B_FORMAT, DOT_F32, INTERPRET,
+                           SEARCH_STEPS, BM, BN, BK)  # fmt: skip
     else:
         # one program per tile of an upper bound on the tile count
         pid = tl.program_id(0)
         if pid < num_tiles:
             t, pid_n = _tile(pid, num_row_tiles, num_pid_n, GROUP_M)
-            _rows_tile(a_desc, b_desc, out_ptr, stride_om, offs_ptr, tile_ends_ptr, amax_a_ptr,
-                       amax_b_ptr, t, pid_n, M, N, K, E,
-                       HAS_ALPHA, OUT_BF16, ASM, B_KMAJOR, DOT_F32, INTERPRET, SEARCH_STEPS,
-                       BM, BN, BK)  # fmt: skip
+            _rows_tile(a_desc, b_desc, bq_ptr, bs_ptr, b_strides, out_ptr, stride_om, offs_ptr,
+                       tile_ends_ptr, amax_a_ptr, amax_b_ptr, t, pid_n, M, N, K, E,
+                       HAS_ALPHA, OUT_BF16, ASM, B_KMAJOR, B_FORMAT, DOT_F32, INTERPRET,
+                       SEARCH_STEPS, BM, BN, BK)  # fmt: skip
 
 
 @triton.jit
@@ -284,11 +368,24 @@ def _grouped_gemm_rows(
     if not (M and N and K):  # no rows (an expert-parallel rank sent no tokens) or nothing
         out.zero_()  # to add: TMA descriptors take no empty dim
         return
-    bm, bn, bk, warps, stages = ROWS_CONFIG
+    bn, bk = ROWS_CONFIG[1:3]
     b_kmajor = b.stride(2) == 1
     b_read = b if b_kmajor else b.transpose(1, 2)
     for name, t in (("a", a), ("b", b_read)):
         _check_tma(name, t)
+    b_desc = _descriptor(b_read, [1, bn, bk] if b_kmajor else [1, bk, bn])
+    _launch_rows(a, b_desc, offs, offs, offs, amax_a, amax_b, out, E, N, b_kmajor, B_DQ.value,
+                 ROWS_CONFIG)  # fmt: skip
+
+
+def _launch_rows(a, b_desc, bq, bs, offs, amax_a, amax_b, out, E: int, N: int, b_kmajor: bool,
+                 b_format: int, config: tuple) -> None:  # fmt: skip
+    """One launch of the rows kernel; the weight through `b_desc` (its `_dq`) or, with
+    `b_format`, packed (`bq` codes, `bs` scales); an unused slot gets a placeholder (a's
+    descriptor, the offsets), which the kernel never reads."""
+    M, K = a.shape
+    bm, bn, bk, warps, stages = config
+    q_strides, s_strides = (bq.stride()[:2], bs.stride()[:2]) if b_format else ((0, 0), (0, 0))
     sizes = torch.diff(offs, prepend=offs.new_zeros(1)).long()
     tail = M - offs[-1:].long()
     tile_ends = torch.cat(((sizes + bm - 1) // bm, (tail + bm - 1) // bm)).cumsum(0)
@@ -298,19 +395,47 @@ def _grouped_gemm_rows(
     bf16 = out.dtype == torch.bfloat16
     dst = out.view(torch.int16) if bf16 else out
     a_desc = _descriptor(a, [bm, bk])
-    b_desc = _descriptor(b_read, [1, bn, bk] if b_kmajor else [1, bk, bn])
     has_alpha = amax_a is not None
     persistent = bf16 and (ROWS_PERSISTENT_KMAJOR if b_kmajor else ROWS_PERSISTENT_NMAJOR)
     programs, programs_key = _grid(a.device, tiles, persistent)
     direct(_rows_kernel, (programs,),
-        a_desc, b_desc, dst, out.stride(0), offs, tile_ends, amax_a if has_alpha else offs,
-        amax_b if has_alpha else offs, M, N, K, E, num_pid_n, HAS_ALPHA=has_alpha, OUT_BF16=bf16, ASM=not interpreting(),
-        B_KMAJOR=b_kmajor, DOT_F32=interpreting() or a.dtype == torch.float32,
+        a_desc, a_desc if b_desc is None else b_desc, bq, bs, *q_strides, *s_strides, dst, out.stride(0), offs, tile_ends,
+        amax_a if has_alpha else offs, amax_b if has_alpha else offs, M, N, K, E, num_pid_n,
+        HAS_ALPHA=has_alpha, OUT_BF16=bf16, ASM=not interpreting(), B_KMAJOR=b_kmajor,
+        B_FORMAT=b_format, DOT_F32=interpreting() or a.dtype == torch.float32,
         INTERPRET=interpreting(), SEARCH_STEPS=(E + 1).bit_length(),
         BM=bm, BN=bn, BK=bk, PERSISTENT=persistent, PROGRAMS=programs_key, FLATTEN=persistent,
         GROUP_M=ROWS_GROUP_M_KMAJOR if b_kmajor else ROWS_GROUP_M_NMAJOR,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
+
+
+@library_op("blockscale::grouped_gemm_rows_packed", mutates_args=("out",))
+def _grouped_gemm_rows_packed(
+    a: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    offs: torch.Tensor,
+    amax_a: torch.Tensor | None,
+    amax_b: torch.Tensor | None,
+    out: torch.Tensor,
+    b_format: int,
+    b_kmajor: bool,
+) -> None:
+    M, K = a.shape
+    E = b_data.shape[0]
+    N = out.shape[1]
+    if not (M and N and K):
+        out.zero_()
+        return
+    _check_tma("a", a)
+    _launch_rows(a, None, b_data, b_scale, offs, amax_a, amax_b, out, E, N,
+                 b_kmajor, b_format, ROWS_PACKED_CONFIG)  # fmt: skip
+
+
+@_grouped_gemm_rows_packed.op.register_fake
+def _(a, b_data, b_scale, offs, amax_a, amax_b, out, b_format, b_kmajor) -> None:
+    return None
 
 
 def _grid(device: torch.device, tiles: int, persistent: bool) -> tuple[int, int]:
@@ -399,6 +524,58 @@ def grouped_gemm_rows(
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     amax_a, amax_b = (None, None) if amax is None else amax
     _grouped_gemm_rows(a, b, offs, amax_a, amax_b, out)
+    return out
+
+
+def grouped_gemm_rows_packed(
+    a: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    offs: torch.Tensor,
+    fmt: str,
+    b_kmajor: bool = True,
+    amax: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """`grouped_gemm_rows` with the expert weight read packed: each program decodes its weight
+    tile (code value times block scale, exactly the `_dq` operand's values) in registers right
+    before the product, so no `_dq` of the weight is written or read.
+
+    b_data / b_scale: the weight's packed copy [E, R, C] quantized along C, as the experts'
+    quantizers store it (any strides along E and R, the copies along N are views): NVFP4 (`fmt="nvfp4"`) bytes of two E2M1 codes [E, R, C/2] and E4M3
+    scales [E, R, C/16] (1x16 or 16x16); MXFP8 (`fmt="mxfp8"`) E4M3 codes [E, R, C] and E8M0
+    scales [E, R, C/32]. `b_kmajor`: the copy is b [E, N, K] along K (R = N; the output GEMM,
+    and grad_input's copy along N); False: it is the 16x16 copy of b's transpose [E, K, N]
+    (R = K; grad_input reading the forward's 16x16 weight). a [M, K] as for
+    `grouped_gemm_rows`, BF16 on the GPU (FP32 in the interpreter)."""
+    if a.dtype not in OPERAND_DTYPES:
+        raise ValueError(f"a must be BF16 (or FP32), got {a.dtype}")
+    if fmt not in PACKED_FORMATS:
+        raise ValueError(f"fmt={fmt!r} is not one of {tuple(PACKED_FORMATS)}")
+    per_byte, block = (2, 16) if fmt == "nvfp4" else (1, 32)
+    E, R, packed_cols = b_data.shape
+    C = packed_cols * per_byte
+    K, N = (C, R) if b_kmajor else (R, C)
+    ok = (
+        a.dim() == 2
+        and a.shape[1] == K
+        and b_scale.shape == (E, R, C // block)
+        and offs.shape == (E,)
+        and C % block == 0
+    )
+    if not ok:
+        raise ValueError(
+            f"need a [M, K], a {fmt} weight copy [E, R, C/{per_byte}] with scales "
+            f"[E, R, C/{block}] and offs [E] (K = {'C' if b_kmajor else 'R'}), got "
+            f"{tuple(a.shape)}, {tuple(b_data.shape)}, {tuple(b_scale.shape)}, {tuple(offs.shape)}"
+        )
+    data, scale = b_data.view(torch.uint8), b_scale.view(torch.uint8)
+    if data.stride(-1) != 1 or scale.stride(-1) != 1:  # (the quantizers' copies never are)
+        data, scale = data.contiguous(), scale.contiguous()
+    out = torch.empty(a.shape[0], N, dtype=out_dtype, device=a.device)
+    amax_a, amax_b = (None, None) if amax is None else amax
+    _grouped_gemm_rows_packed(a, data, scale, offs, amax_a, amax_b, out, PACKED_FORMATS[fmt],
+                              b_kmajor)  # fmt: skip
     return out
 
 

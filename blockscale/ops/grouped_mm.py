@@ -60,6 +60,7 @@ from blockscale.gemm.grouped import (
     TransposedExperts,
     grouped_mm_rows,
     grouped_mm_tokens,
+    packed_weight_rule,
     resolve_grouped_backend,
 )
 from blockscale.ops.linear import (
@@ -143,7 +144,8 @@ def _dgrad_weight(
     cache: WeightCache | None = None,
     stamp: Stamp | None = None,
 ) -> Operand:
-    """grad_input's expert-weight operand rebuilt in the backward, with its `_dq`: the 16x16
+    """grad_input's expert-weight operand rebuilt in the backward, with its `_dq` (none where
+    the rows GEMM reads the weight packed, gemm/grouped.py's `packed_weight_rule`): the 16x16
     forward copy again, transposed, when `shared`, else the copy along N; the same bits as
     the forward's (round-to-nearest, each expert scaled with the forward copy's amax, `amax`;
     None for MXFP8, which has none). With a `cache`, the copy the forward's `stamp` left
@@ -154,7 +156,8 @@ def _dgrad_weight(
     def make(dq: bool) -> QuantizedOperand:
         return quantize_experts(weight, cfg, transpose=not shared, dq=dq, amax=amax)
 
-    w_lp = cached_weight(cache, stamp, make, cfg, not shared, dq=True, renew=False)
+    dq = not packed_weight_rule(weight)  # a GEMM that reads the weight packed needs no `_dq`
+    w_lp = cached_weight(cache, stamp, make, cfg, not shared, dq=dq, renew=False)
     return TransposedExperts(w_lp) if shared else w_lp  # type: ignore[arg-type,return-value]
 
 
@@ -181,7 +184,8 @@ class _GroupedMM(torch.autograd.Function):
             def make_w(dq: bool) -> QuantizedOperand:
                 return quantize_experts(weight, w_cfg, dq=dq)
 
-            w_lp = cached_weight(cache, stamp, make_w, w_cfg, False, dq=True)
+            dq = not packed_weight_rule(weight)  # (gemm/grouped.py)
+            w_lp = cached_weight(cache, stamp, make_w, w_cfg, False, dq=dq)
             out = grouped_mm_rows(x_lp, w_lp, offs, out_dtype, backend)
             dgrad_cfg = recipe.grad_input.weight
             ctx.shared = dgrad_cfg.block == "16x16" and dgrad_cfg == recipe.output.weight
