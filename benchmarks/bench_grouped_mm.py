@@ -23,11 +23,25 @@ over its time, against the copy ceiling of the same run.
     python benchmarks/bench_grouped_mm.py --gemms --recipes bf16 --tokens 65536 --experts 1 8
                                     # the grouped GEMMs alone: CUTLASS, each tile config, and
                                     # each tile order (bands of row tiles, persistent or not)
+    python benchmarks/bench_grouped_mm.py --packed --json results/packed_h200.json
+                                    # the rows GEMMs (output, grad_input) reading the expert
+                                    # weights packed, against the `_dq` path (dequantize +
+                                    # GEMM) and BF16 torch._grouped_mm, at many small experts
+
+`--packed` (docs/KERNELS.md, "Rows GEMMs that read the expert weights packed"): 128 experts of
+2048 x 768 (Qwen3-30B-A3B-like) and 256 of 2048 x 512 (DeepSeek-V3-like), 16384 tokens routed
+top-8 (131072 rows, split unevenly as above), both projections (up: K = hidden, N = width;
+down: K = width, N = hidden). For each recipe and GEMM: BF16 `torch._grouped_mm`; the `_dq`
+path as a cached packed weight takes it (the dequantize kernel making the weight's `_dq`,
+then the rows kernel; also each alone); the packed kernel at each tile config in
+PACKED_CONFIGS (whether its output equals the `_dq` path's bit for bit is in `equal`); and the
+peak memory of the two paths. The activation's `_dq` is made beforehand in both.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -309,6 +323,121 @@ def gemm_rows(k: int, n: int, m: int, e: int, device: torch.device, args) -> lis
     return rows
 
 
+# (experts, hidden, width) of the fine-grained MoE shapes where the weights outweigh the tokens
+PACKED_SHAPES = {"qwen3-30b-a3b": (128, 2048, 768), "deepseek-v3": (256, 2048, 512)}
+PACKED_ROWS = 16384 * 8  # 16384 tokens, top-8
+PACKED_QUICK = {"tiny": (4, 64, 32)}
+# the packed rows kernel's tiles (kernels/grouped_gemm.py ROWS_PACKED_CONFIG), the first the
+# default; (BM, BN, BK, warps, stages)
+PACKED_CONFIGS = [
+    (128, 256, 64, 8, 3),
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 4, 4),
+    (64, 256, 64, 4, 3),
+]
+
+
+@contextlib.contextmanager
+def _kernels_everywhere(device: torch.device):
+    """The CPU smoke test runs the kernel path in Triton's interpreter (as the tests do)."""
+    if device.type == "cuda":
+        yield
+        return
+    saved = _library.use_kernels
+    _library.use_kernels = lambda t: True
+    try:
+        yield
+    finally:
+        _library.use_kernels = saved
+
+
+def _packed_operands(recipe, gemm: str, k: int, n: int, e: int, m: int, device):
+    """(a, b, bf16 call args) of one rows GEMM: output (x [M, K] against w [E, N, K]) or
+    grad_input (grad [M, N] against w read transposed), quantized as `recipe` quantizes them
+    in grouped_mm; the weight copy packed (no `_dq`), as a cached copy is."""
+    from blockscale.formats.grouped import token_layout
+    from blockscale.gemm.grouped import TransposedExperts
+    from blockscale.ops.quantize import quantize_experts, quantize_grouped
+
+    bf = torch.bfloat16
+    offs = torch.tensor(split(m, e), dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+    w = torch.randn(e, n, k, device=device, dtype=bf) / k**0.5
+    layout = token_layout(offs, m)
+    if gemm == "output":
+        x = torch.randn(m, k, device=device, dtype=bf)
+        a, _ = quantize_grouped(x, offs, layout, recipe.output.input, None)
+        b = quantize_experts(w, recipe.output.weight, dq=False)
+        return a, b, offs, (x, w.transpose(-2, -1))
+    go = torch.randn(m, n, device=device, dtype=bf)
+    a, _ = quantize_grouped(go, offs, layout, recipe.grad_input.grad_output, None)
+    cfg = recipe.grad_input.weight
+    if cfg.block == "16x16" and cfg == recipe.output.weight:
+        b = TransposedExperts(quantize_experts(w, cfg, dq=False))
+    else:
+        b = quantize_experts(w, cfg, transpose=True, dq=False)
+    return a, b, offs, (go, w)
+
+
+def packed_rows(label: str, shape: tuple[int, int, int], m: int, args, device) -> list[dict]:
+    """The rows GEMMs with the expert weight read packed, against the `_dq` path and BF16."""
+    e, hidden, width = shape
+    rows = []
+    for proj, (k, n) in (("up", (hidden, width)), ("down", (width, hidden))):
+        for name in [r for r in args.recipes if r != "bf16"]:
+            for gemm in ("output", "grad_input"):
+                case = {"shape": label, "proj": proj, "gemm": gemm, "recipe": name}
+                rows += packed_case(case, k, n, e, m, args, device)
+    return rows
+
+
+def packed_case(case: dict, k: int, n: int, e: int, m: int, args, device) -> list[dict]:
+    """One rows GEMM (`case`: its GEMM and recipe) by each path: BF16, the `_dq` path (with
+    and without the dequantize) and the packed kernel at each of PACKED_CONFIGS."""
+    from blockscale.gemm import grouped as gemm_grouped
+    from blockscale.kernels import grouped_gemm as gg
+
+    name = case["recipe"]
+    a, b, offs, (x, w_t) = _packed_operands(recipes.get(name), case["gemm"], k, n, e, m, device)
+    a_dq, b_dq = a.dq(), b.dq()  # the activation's `_dq` exists in both paths
+    amax = (a.amax, b.amax) if hasattr(a, "amax") else None  # (NVFP4: per-expert alphas)
+
+    def rows_call(packed: bool) -> torch.Tensor:
+        gemm_grouped.PACKED_WEIGHT = packed
+        try:
+            return gemm_grouped.grouped_mm_rows(a, b, offs)
+        finally:
+            gemm_grouped.PACKED_WEIGHT = False
+
+    cases = {
+        "bf16 torch._grouped_mm": (lambda: torch._grouped_mm(x, w_t, offs=offs), None),
+        "dq: dequantize + GEMM": (lambda: rows_call(False), None),
+        "dq: dequantize alone": (b.dq, None),
+        "dq: GEMM alone": (lambda: gg.grouped_gemm_rows(a_dq, b_dq, offs, amax), None),
+    }
+    for cfg in PACKED_CONFIGS[: 1 if args.quick else None]:
+        cases[f"packed {','.join(map(str, cfg))}"] = (lambda: rows_call(True), cfg)
+    want = rows_call(False)
+    rows = []
+    default_cfg = gg.ROWS_PACKED_CONFIG
+    for path, (fn, cfg) in cases.items():
+        gg.ROWS_PACKED_CONFIG = cfg or default_cfg
+        try:
+            timing = harness.time_fn(fn, warmup=args.warmup, reps=args.reps, device=device)
+            equal = bool(torch.equal(fn(), want)) if cfg else None
+            measure_peak = path == "dq: dequantize + GEMM" or cfg == PACKED_CONFIGS[0]
+            peak = harness.peak_memory(fn, device) if measure_peak else None
+        finally:
+            gg.ROWS_PACKED_CONFIG = default_cfg
+        us = timing.median_ms * 1e3
+        rows.append({
+            **case, "E,K,N": f"{e},{x.shape[1]},{w_t.shape[2]}", "path": path, "us": us,
+            "tflops": 2 * m * k * n / (us * 1e-6) / 1e12, "vs_bf16": us / rows[0]["us"] if rows
+            else 1.0, "equal": equal, "peak_mib": None if peak is None else peak / 2**20,
+        })  # fmt: skip
+        print(f"  {case} {path}: {us:.0f} us", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = harness.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     parser.add_argument("--recipes", nargs="+", default=RECIPES, choices=RECIPES)
@@ -321,6 +450,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--gemms", action="store_true", help="only the grouped GEMMs alone, per tile config"
+    )
+    parser.add_argument(
+        "--packed",
+        action="store_true",
+        help="only the rows GEMMs with packed expert weights against the `_dq` path and BF16",
     )
     parser.add_argument(
         "--kernel-tiles",
@@ -361,6 +495,23 @@ def main(argv: list[str] | None = None) -> int:
             harness.write_json(
                 args.json, {"benchmark": "grouped_gemms", "banner": info, "rows": out}
             )
+        return 0
+    if args.packed:
+        packed = PACKED_QUICK if args.quick else PACKED_SHAPES
+        m = 200 if args.quick else PACKED_ROWS
+        out = []
+        with _kernels_everywhere(device):
+            for label, shape in packed.items():
+                out += packed_rows(label, shape, m, args, device)
+        harness.print_table(
+            out, ["shape", "E,K,N", "proj", "gemm", "recipe", "path", "us", "tflops", "vs_bf16",
+                  "equal", "peak_mib"],
+        )  # fmt: skip
+        if args.json:
+            record = {"benchmark": "grouped_rows_packed", "banner": info, "rows_m": m,
+                      "configs": PACKED_CONFIGS, "rows": out,
+                      "argv": sys.argv[1:] if argv is None else argv}  # fmt: skip
+            harness.write_json(args.json, record)
         return 0
     if args.profile:
         k, n = next(iter(shapes.values()))
