@@ -16,6 +16,13 @@ Two shapes, as a mixture-of-experts layer needs them (see ops/grouped_mm.py):
   (the contraction tile), so a segment is walked in whole tiles; out [E, N, K]. An empty
   segment gives a zero gradient.
 
+Packed weights (`grouped_gemm_rows_packed`, the rows kernel with B_FORMAT set): the expert
+weight is read as its packed copy (NVFP4 codes and E4M3 scales, or MXFP8 codes and E8M0
+scales, plain loads) and each tile decoded in registers to exactly the `_dq` values before the
+product, so no `_dq` of the weight is written or read; the same tiles, order and epilogue, so
+the bits of the `_dq` kernel up to the MMA's own order (docs/KERNELS.md, "Rows GEMMs that read
+the expert weights packed"; not yet measured on a GPU).
+
 alpha_e = S_dec(amax_a[e]) * S_dec(amax_b[e]) for NVFP4 (as epilogue.py computes it), none for
 MXFP8; the product is rounded on its own (mul.rn), then round-to-nearest-even to BF16. Each
 group's result equals the dense emulated GEMM's up to the order of the FP32 additions.
