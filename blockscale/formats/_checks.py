@@ -2,6 +2,8 @@
 
 import torch
 
+from blockscale._registry import tracing
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -40,7 +42,7 @@ def check_blocks(rows: int, cols: int, fmt: str, block_rows: int, block_cols: in
 def check_amax(amax: object, fmt: str) -> None:
     """A given tensor amax: a float32 tensor of one value, not negative (NaN and Inf are
     allowed: they mark non-finite input). The sign is read only from CPU tensors outside
-    torch.compile, where reading it costs no device synchronization."""
+    a trace (torch.compile, or fake tensors), where reading it costs no device synchronization."""
     if not isinstance(amax, torch.Tensor):
         raise TypeError(
             f"{fmt} amax must be a float32 torch.Tensor holding one value, got "
@@ -55,16 +57,16 @@ def check_amax(amax: object, fmt: str) -> None:
             f"{fmt} amax dtype {amax.dtype} is not float32 (the global scale is computed in FP32 "
             "from the exact amax)"
         )
-    if amax.device.type == "cpu" and not torch.compiler.is_compiling() and bool(amax < 0):
+    if amax.device.type == "cpu" and not tracing() and bool(amax < 0):
         raise ValueError(f"{fmt} amax={amax.item()} is negative: an amax is a max of |x|")
 
 
 def check_codes(codes: torch.Tensor) -> None:
     """E2M1 codes to pack: uint8 values 0..15 (4 bits each; a larger one would spill into its
-    neighbour's nibble). Values are read only from CPU tensors outside torch.compile."""
+    neighbour's nibble). Values are read only from CPU tensors outside a trace."""
     if codes.dtype != torch.uint8:
         raise ValueError(f"E2M1 codes must be uint8, got {codes.dtype}")
-    if codes.device.type == "cpu" and not torch.compiler.is_compiling() and codes.numel():
+    if codes.device.type == "cpu" and not tracing() and codes.numel():
         top = int(codes.max())
         if top > 15:
             raise ValueError(f"E2M1 code {top} is above 15: a code is 4 bits (sign | index 0-7)")
