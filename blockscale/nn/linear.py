@@ -12,8 +12,9 @@ Under torch.compile the forward is one opaque call to `ops.linear.compiled_linea
 graph, which AOTAutograd traces: the same ops, without Dynamo interpreting the quantization's
 Python per layer (the bulk of a converted model's extra compile time). The recipe goes in as
 a `RecipeConstant`, kept beside it; assigning `recipe` replaces both, and a compiled model
-then recompiles. A weight that is a tensor subclass (FSDP2's quantized all-gather, NVFP4
-primary weights) runs `linear` eagerly at a graph break (`_linear_at_a_graph_break` says why).
+then recompiles. A weight that holds quantized copies (FSDP2's quantized all-gather, NVFP4
+primary weights) takes the same call, carried as its inner tensors; any other tensor subclass
+(a DTensor input or weight) runs `linear` eagerly at a graph break (`_linear_at_a_graph_break`).
 
 Weight cache (ops/weight_cache.py): each layer keeps its weight's quantized copies in
 `weight_cache` from the first use after the weight changes to the next optimizer step, so
@@ -88,7 +89,7 @@ class Linear(nn.Linear):
         if not self.quantize_enabled:
             return F.linear(input, self.weight, self.bias)
         if torch.compiler.is_dynamo_compiling():
-            if not (_plain(input) and _plain(self.weight)):
+            if not (_plain(input) and _traceable_weight(self.weight)):
                 return _linear_at_a_graph_break(input, self.weight, self.bias, self.recipe)
             bias = () if self.bias is None else (self.bias,)
             return compiled_linear(self._recipe_constant, input, self.weight, *bias)
@@ -148,13 +149,21 @@ def _plain(t: torch.Tensor) -> bool:
     return type(t) in (torch.Tensor, nn.Parameter)
 
 
+def _traceable_weight(weight: torch.Tensor) -> bool:
+    """A weight `compiled_linear` takes: a plain tensor, or one that holds its quantized copies
+    (FSDP2's quantized all-gather, NVFP4 primary weights), which Dynamo carries as its inner
+    tensors (`__tensor_flatten__`) and AOTAutograd traces `linear` with."""
+    return _plain(weight) or hasattr(type(weight), "quantized_copy")
+
+
 @torch.compiler.disable
 def _linear_at_a_graph_break(input, weight, bias, recipe) -> torch.Tensor:
-    """`linear` run eagerly inside a compiled model, for a weight or input that is a tensor
-    subclass (FSDP2's quantized all-gather and NVFP4 primary weights hand the layer a
-    `QuantizedWeight`). `compiled_linear` cannot take one (torch 2.11's nonstrict_trace
-    refuses the call: "Unsupported output type"), and letting Dynamo trace `linear` itself
-    broke it into pieces recompiled per weight shape, one of which failed on the first
-    compile with a fresh cache ("sources must not be empty for symbol", building guards for
-    a size of the subclass's scales; seen on two GPUs and reproduced on the CPU)."""
+    """`linear` run eagerly inside a compiled model, for an input or weight that is a tensor
+    subclass other than a quantized weight (a DTensor under tensor parallelism). Letting
+    Dynamo trace `linear` itself broke it into pieces recompiled per weight shape, one of which
+    failed on the first compile with a fresh cache ("sources must not be empty for symbol",
+    building guards for a size of a subclass's scales; seen on two GPUs and on the CPU).
+    Quantized weights took this path too until 2026-11-28: torch 2.11's nonstrict_trace
+    refused them ("Unsupported output type"), which was a data read in the E2M1 code check
+    under fake tensors (formats/_checks.py now skips it under any trace)."""
     return linear(input, weight, bias, recipe)

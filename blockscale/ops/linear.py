@@ -668,9 +668,9 @@ def compiled_linear(
 ) -> torch.Tensor:
     """`linear(input, weight, bias, recipe.recipe)` for Dynamo-traced code: one opaque call in
     Dynamo's graph, traced by AOTAutograd (module docstring). `bias`: the bias, or nothing
-    (a nonstrict_trace call takes no None). Plain tensors only: a quantized or distributed
-    weight (a tensor subclass) goes through `linear`, run eagerly at a graph break
-    (blockscale/nn/linear.py).
+    (a nonstrict_trace call takes no None). Plain tensors, or a weight that holds quantized
+    copies (a `QuantizedWeight`: Dynamo passes its inner tensors); other tensor subclasses go
+    through `linear`, run eagerly at a graph break (blockscale/nn/linear.py).
     Nothing read inside is guarded by Dynamo: what the result depends on is the recipe (the
     constant), the tensors' metadata and autocast, which Dynamo guards at the call."""
     return linear(input, weight, bias[0] if bias else None, recipe.recipe)
