@@ -21,7 +21,8 @@ so the CPU result equals a loop of `linear` bit for bit. `native` is Blackwell's
 only: a grouped GEMM with another output dtype (grad_weight of FP32 master weights) stays
 emulated. `auto` picks native only where the native grouped GEMM can run.
 
-Packed expert weights (`packed_weight_rule`, off by default until measured on a GPU): the
+Packed expert weights (`packed_weight_rule`, off: 2.8-4.5x BF16 on an H200, slower than the
+`_dq` path at every shape, docs/KERNELS.md): the
 emulated rows GEMMs can read the expert weight as its packed codes and scales, each weight
 tile decoded to the `_dq` values in registers (kernels/grouped_gemm.py,
 `grouped_gemm_rows_packed`), so no `_dq` of the weight is made; the same bits up to the order
@@ -42,8 +43,11 @@ from blockscale.gemm import emulated, native
 from blockscale.gemm.dispatch import Backend, resolve_backend
 
 # Whether the emulated rows GEMMs (output, grad_input) read the expert weight packed rather than
-# through its `_dq` (`packed_weight_rule`). Off until measured on a GPU (docs/KERNELS.md, "Rows
-# GEMMs that read the expert weights packed"); a benchmark or test sets it to compare the two.
+# through its `_dq` (`packed_weight_rule`). Off: measured on an H200 on 2026-11-28
+# (docs/results/bench_grouped_rows_packed_h200.json; docs/KERNELS.md, "Rows GEMMs that read
+# the expert weights packed"), bit-equal but 1.3-3.3x the time of dequantize + GEMM at every
+# shape and tile config (2.8-4.5x BF16), likely since each expert's weight tile is decoded once
+# per row tile. A benchmark or test sets it to compare the two.
 PACKED_WEIGHT = False
 
 

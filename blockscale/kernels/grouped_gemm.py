@@ -21,7 +21,7 @@ weight is read as its packed copy (NVFP4 codes and E4M3 scales, or MXFP8 codes a
 scales, plain loads) and each tile decoded in registers to exactly the `_dq` values before the
 product, so no `_dq` of the weight is written or read; the same tiles, order and epilogue, so
 the bits of the `_dq` kernel up to the MMA's own order (docs/KERNELS.md, "Rows GEMMs that read
-the expert weights packed"; not yet measured on a GPU).
+the expert weights packed": bit-equal on an H200 but slower than the `_dq` path, so off).
 
 alpha_e = S_dec(amax_a[e]) * S_dec(amax_b[e]) for NVFP4 (as epilogue.py computes it), none for
 MXFP8; the product is rounded on its own (mul.rn), then round-to-nearest-even to BF16. Each
@@ -82,9 +82,10 @@ TOKENS_GROUP_M = 8
 TOKENS_PERSISTENT_STAGES = 3
 OPERAND_DTYPES = (torch.bfloat16, torch.float32)
 # The rows kernel with the expert weight read packed (`grouped_gemm_rows_packed`): its own
-# tiles, since each program also decodes its weight tile in registers. Not yet measured on a
-# GPU (docs/KERNELS.md, "Rows GEMMs that read the expert weights packed"): the rows kernel's
-# tiles until then; `bench_grouped_mm.py --packed` sweeps others.
+# tiles, since each program also decodes its weight tile in registers. The rows kernel's: on
+# an H200 (docs/KERNELS.md, "Rows GEMMs that read the expert weights packed") no config of
+# `bench_grouped_mm.py --packed`'s sweep came near the `_dq` path, 128x256 and 128x128 the
+# fastest (8 and 7 of 16 GEMMs).
 ROWS_PACKED_CONFIG = ROWS_CONFIG
 # What the rows kernel's B_FORMAT says about the expert weight it reads: the BF16 (or FP32)
 # `_dq` tensor through TMA, or packed NVFP4 / MXFP8 codes and scales through plain loads.
