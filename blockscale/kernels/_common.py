@@ -57,6 +57,30 @@ def band_tile(band):
     return tl.program_id(2) * band + tl.program_id(0), tl.program_id(1)
 
 
+def row_stack(t: torch.Tensor) -> torch.Tensor:
+    """t [..., R, C] as [B, R, C] for the dequantize kernels, which read any strides along B
+    and R (`stack_rows`): no copy for a stack of expert copies along N, each expert a strided
+    view of one [K, E*N] array (reshaping those to rows had copied every code, docs/KERNELS.md,
+    "Dequantizing the expert copies along N"). A copy only for a last dim of stride > 1."""
+    if t.dim() == 2:
+        t = t.unsqueeze(0)  # (the usual operand: no reshape to pay for on the host)
+    elif t.dim() != 3:
+        t = t.reshape(1, -1) if t.dim() < 2 else t
+        lead = 1
+        for size in t.shape[:-2]:
+            lead *= size
+        t = t.reshape(lead, t.shape[-2], t.shape[-1])
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+@triton.jit
+def stack_rows(rows, rows_per, stride_b, stride_r):
+    """Offsets of rows `rows` (int64) of a [B, R, C] stack with these strides (R = rows_per):
+    row i is row i % R of item i // R."""
+    item = rows // rows_per
+    return item * stride_b + (rows - item * rows_per) * stride_r
+
+
 # Read once, at import: Triton decides at `triton.jit` time (also an import) whether a kernel is
 # interpreted, so a later change of the variable could not switch the kernels anyway; a launch
 # asks several times, and reading os.environ costs microseconds each.

@@ -33,6 +33,8 @@ from blockscale.kernels._common import (
     max_keep_nan,
     min_keep_nan,
     relayout_16,
+    row_stack,
+    stack_rows,
     to_bf16_bits,
 )
 from blockscale.kernels._launch import launch
@@ -161,22 +163,25 @@ def quantize_columns_mx(
 
 @triton.jit
 def _mxfp8_dequantize_kernel(
-    data_ptr, scale_ptr, out_ptr, R, C, band, BR: tl.constexpr, BC: tl.constexpr,
-    HW: tl.constexpr,
+    data_ptr, scale_ptr, out_ptr, R, C, rows_per, sd_b, sd_r, ss_b, ss_r, band,
+    BR: tl.constexpr, BC: tl.constexpr, HW: tl.constexpr,
 ):  # fmt: skip
     """E4M3 bytes + E8M0 scales -> BF16 data * 2^e (the `_dq` operand): the FP32 product is
     exact (a 4-bit significand times a power of two, down to 2^-136), then rounded to BF16
-    as the reference's cast does (only values below 2^-133 round)."""
+    as the reference's cast does (only values below 2^-133 round). Codes and scales are read
+    where they lie, a [B, R/B, C] stack with strides (sd_b, sd_r, 1) and (ss_b, ss_r, 1)
+    (`stack_rows`); the output is the contiguous [R, C]."""
     tile_r, tile_c = band_tile(band)
     r0 = tile_r * BR
     c0 = tile_c * BC
     rows = (r0 + tl.arange(0, BR)).to(tl.int64)
     cols = c0 + tl.arange(0, BC)
     m = (rows < R)[:, None] & (cols < C)[None, :]
-    byte = tl.load(data_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0).to(tl.int32)
+    d_row = stack_rows(rows, rows_per, sd_b, sd_r)
+    byte = tl.load(data_ptr + d_row[:, None] + cols[None, :], mask=m, other=0).to(tl.int32)
     sc = c0 // 32 + tl.arange(0, BC // 32)
     ecode = tl.load(
-        scale_ptr + rows[:, None] * (C // 32) + sc[None, :],
+        scale_ptr + stack_rows(rows, rows_per, ss_b, ss_r)[:, None] + sc[None, :],
         mask=(rows < R)[:, None] & (sc < C // 32)[None, :],
         other=127,
     ).to(tl.int32)
@@ -231,16 +236,17 @@ def _mxfp8_quantize_2d(
     return data, scale, dq_r, data_t, scale_t, dq_c
 
 
-@library_op("blockscale::mxfp8_dequantize_2d", mutates_args=(), triton=True)
-def _mxfp8_dequantize_2d(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """data uint8 (E4M3 bytes) [R, C], scale uint8 (E8M0 bytes) [R, C/32] -> BF16 [R, C]."""
-    R, C = data.shape
-    out = torch.empty(R, C, dtype=torch.bfloat16, device=data.device)
-    if R and C:
-        grid, band = band_grid(R, C, 32, 128)
+@library_op("blockscale::mxfp8_dequantize_3d", mutates_args=(), triton=True)
+def _mxfp8_dequantize_3d(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """data uint8 (E4M3 bytes) [B, R, C], scale uint8 (E8M0 bytes) [B, R, C/32], any strides
+    along B and R, unit stride along C -> BF16 [B, R, C], contiguous."""
+    B, R, C = data.shape
+    out = torch.empty(B, R, C, dtype=torch.bfloat16, device=data.device)
+    if B and R and C:
+        grid, band = band_grid(B * R, C, 32, 128)
         launch(_mxfp8_dequantize_kernel, grid,
-            data, scale, out.view(torch.int16), R, C, band, BR=32, BC=128, HW=not interpreting(),
-            num_warps=4,
+            data, scale, out.view(torch.int16), B * R, C, R, *data.stride()[:2],
+            *scale.stride()[:2], band, BR=32, BC=128, HW=not interpreting(), num_warps=4,
         )  # fmt: skip
     return out
 
@@ -291,10 +297,9 @@ def mxfp8_quantize_both(x: torch.Tensor, return_dq: bool | tuple[bool, bool] = F
 
 
 def mxfp8_dequantize_dq(q: MXFP8Tensor) -> torch.Tensor:
-    """The BF16 `_dq` operand (data * 2^e) of a saved MXFP8Tensor; equals q.dq()."""
-    cols = q.shape[-1]
-    rows = q.shape[:-1].numel()  # (not -1: a tensor with no tokens has no values at all)
-    # (a formats/ transpose=True container holds a transposed view: the kernel reads rows)
-    data = q.data.view(torch.uint8).reshape(rows, cols).contiguous()
-    scale = q.scale.view(torch.uint8).reshape(rows, cols // BLOCK).contiguous()
-    return _mxfp8_dequantize_2d(data, scale).reshape(q.shape)
+    """The BF16 `_dq` operand (data * 2^e) of a saved MXFP8Tensor; equals q.dq(). Contiguous;
+    the codes are read in place, also a stack of strided views (the expert copies along N)."""
+    lead, cols = q.shape[:-1], q.shape[-1]
+    data = row_stack(q.data.view(torch.uint8).reshape(*lead, cols))
+    scale = row_stack(q.scale.view(torch.uint8).reshape(*lead, cols // BLOCK))
+    return _mxfp8_dequantize_3d(data, scale).reshape(q.shape)

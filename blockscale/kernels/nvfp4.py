@@ -47,7 +47,9 @@ from blockscale.kernels._common import (
     min_keep_nan,
     nvfp4_global,
     relayout_16,
+    row_stack,
     sr_seed,
+    stack_rows,
     with_sign,
 )
 from blockscale.kernels._launch import launch
@@ -382,9 +384,12 @@ def quantize_columns(
 
 @triton.jit
 def _nvfp4_dequantize_kernel(
-    data_ptr, scale_ptr, out_ptr, R, C, band, BR: tl.constexpr, BC: tl.constexpr
-):
-    """Packed codes + E4M3 scales -> BF16 code * scale (the `_dq` operand)."""
+    data_ptr, scale_ptr, out_ptr, R, C, rows_per, sd_b, sd_r, ss_b, ss_r, band,
+    BR: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """Packed codes + E4M3 scales -> BF16 code * scale (the `_dq` operand). Codes and scales
+    are read where they lie, a [B, R/B, C/2] stack with strides (sd_b, sd_r, 1) and
+    (ss_b, ss_r, 1) (`stack_rows`); the output is the contiguous [R, C]."""
     tile_r, tile_c = band_tile(band)
     r0 = tile_r * BR
     c0 = tile_c * BC
@@ -392,14 +397,14 @@ def _nvfp4_dequantize_kernel(
     half = c0 // 2 + tl.arange(0, BC // 2)
     rmask = rows < R
     packed = tl.load(
-        data_ptr + rows[:, None] * (C // 2) + half[None, :],
+        data_ptr + stack_rows(rows, rows_per, sd_b, sd_r)[:, None] + half[None, :],
         mask=rmask[:, None] & (half < C // 2)[None, :],
         other=0,
     ).to(tl.int32)
     codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BR, BC])
     sc = c0 // 16 + tl.arange(0, BC // 16)
     scode = tl.load(
-        scale_ptr + rows[:, None] * (C // 16) + sc[None, :],
+        scale_ptr + stack_rows(rows, rows_per, ss_b, ss_r)[:, None] + sc[None, :],
         mask=rmask[:, None] & (sc < C // 16)[None, :],
         other=0,
     ).to(tl.int32)
@@ -506,16 +511,18 @@ def _nvfp4_quantize_2d(
     return data, scale, dq_r, data_t, scale_t, dq_c
 
 
-@library_op("blockscale::nvfp4_dequantize_2d", mutates_args=(), triton=True)
-def _nvfp4_dequantize_2d(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """data uint8 [R, C/2], scale uint8 (E4M3 bytes) [R, C/16] -> BF16 [R, C]."""
-    R, half = data.shape
+@library_op("blockscale::nvfp4_dequantize_3d", mutates_args=(), triton=True)
+def _nvfp4_dequantize_3d(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """data uint8 [B, R, C/2], scale uint8 (E4M3 bytes) [B, R, C/16], any strides along B and
+    R, unit stride along C -> BF16 [B, R, C], contiguous."""
+    B, R, half = data.shape
     C = half * 2
-    out = torch.empty(R, C, dtype=torch.bfloat16, device=data.device)
-    if R and C:
-        grid, band = band_grid(R, C, 32, 128)
+    out = torch.empty(B, R, C, dtype=torch.bfloat16, device=data.device)
+    if B and R and C:
+        grid, band = band_grid(B * R, C, 32, 128)
         launch(_nvfp4_dequantize_kernel, grid,
-            data, scale, out.view(torch.int16), R, C, band, BR=32, BC=128, num_warps=4,
+            data, scale, out.view(torch.int16), B * R, C, R, *data.stride()[:2],
+            *scale.stride()[:2], band, BR=32, BC=128, num_warps=4,
         )  # fmt: skip
     return out
 
@@ -707,12 +714,9 @@ def quantize_both_2d(
 
 def nvfp4_dequantize_dq(q: NVFP4Tensor) -> torch.Tensor:
     """The BF16 `_dq` operand (code * block scale, no global scale) of a saved NVFP4Tensor;
-    equals q.dq()."""
-    data, scale = q.data, q.scale.view(torch.uint8)
-    if data.dim() == 2 and data.is_contiguous() and scale.is_contiguous():
-        return _nvfp4_dequantize_2d(data, scale)  # (a GEMM operand's usual layout)
-    cols = q.shape[-1]
-    rows = q.shape[:-1].numel()  # (not -1: a tensor with no tokens has no values at all)
-    data = data.reshape(rows, cols // 2).contiguous()
-    scale = scale.reshape(rows, cols // BLOCK).contiguous()
-    return _nvfp4_dequantize_2d(data, scale).reshape(q.shape)
+    equals q.dq(). Contiguous; the codes are read in place, also a stack of strided views (a
+    1x16 recipe's expert copies along N)."""
+    lead, cols = q.shape[:-1], q.shape[-1]
+    data = row_stack(q.data.reshape(*lead, cols // 2))
+    scale = row_stack(q.scale.view(torch.uint8).reshape(*lead, cols // BLOCK))
+    return _nvfp4_dequantize_3d(data, scale).reshape(q.shape)
