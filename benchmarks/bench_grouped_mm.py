@@ -27,6 +27,9 @@ over its time, against the copy ceiling of the same run.
                                     # the rows GEMMs (output, grad_input) reading the expert
                                     # weights packed, against the `_dq` path (dequantize +
                                     # GEMM) and BF16 torch._grouped_mm, at many small experts
+    python benchmarks/bench_grouped_mm.py --dequantize --json results/dq_h200.json
+                                    # the `_dq` of each expert-weight copy at those shapes,
+                                    # read in place against the old copy-first path
 
 `--packed` (docs/KERNELS.md, "Rows GEMMs that read the expert weights packed"): 128 experts of
 2048 x 768 (Qwen3-30B-A3B-like) and 256 of 2048 x 512 (DeepSeek-V3-like), 16384 tokens routed
@@ -438,6 +441,56 @@ def packed_case(case: dict, k: int, n: int, e: int, m: int, args, device) -> lis
     return rows
 
 
+# the expert weights' copies whose `_dq` a rows GEMM makes from a packed (cached or saved)
+# copy: (format, block, along N); the copies along N are strided views, one per expert
+DQ_COPIES = {
+    "mxfp8 along K": ("mxfp8", "1x32", False),
+    "mxfp8 along N": ("mxfp8", "1x32", True),
+    "nvfp4 16x16 along K": ("nvfp4", "16x16", False),
+    "nvfp4 1x16 along K": ("nvfp4", "1x16", False),
+    "nvfp4 1x16 along N": ("nvfp4", "1x16", True),
+}
+
+
+def dequantize_rows(label: str, shape: tuple, args, device, copy_bps: float) -> list[dict]:
+    """The `_dq` of each expert-weight copy (`--packed`'s "dq: dequantize alone"): the
+    kernels reading the copy in place, against the path before 2026-11-28 (replaced.py's
+    `dq-copy-first`: a contiguous copy of the codes and scales, then the kernel) and those
+    copies alone; `equal`: the two `_dq` bit for bit."""
+    from blockscale.ops.quantize import quantize_experts
+    from blockscale.recipes import OperandConfig
+
+    e, hidden, width = shape
+    rows = []
+    for proj, (k, n) in (("up", (hidden, width)), ("down", (width, hidden))):
+        w = torch.randn(e, n, k, device=device, dtype=torch.bfloat16) / k**0.5
+        for name, (fmt, block, along_n) in DQ_COPIES.items():
+            q = quantize_experts(w, OperandConfig(fmt, block), transpose=along_n, dq=False)
+            now, old = q.dq(), replaced.old_dequantize_dq(q)
+            equal = torch.equal(now.view(torch.int16), old.view(torch.int16))
+            del now, old
+            packed = 0.5 + 1 / 16 if fmt == "nvfp4" else 1 + 1 / 32  # codes + scales, a value
+            # bytes read + written a value: the dequantize's; the copies' (none for a view)
+            per_value = {"old: its copies alone": 2 * packed if along_n else 0.0}
+            cases = {
+                "now: read in place": q.dq,
+                "old: copy first": lambda q=q: replaced.old_dequantize_dq(q),
+                "old: its copies alone": lambda q=q: replaced.contiguous_rows(q),
+            }
+            for path, fn in cases.items():
+                timing = harness.time_fn(fn, warmup=args.warmup, reps=args.reps, device=device)
+                us = timing.median_ms * 1e3
+                bps = e * n * k * per_value.get(path, 2 + packed) / (us * 1e-6)
+                rows.append({
+                    "shape": label, "proj": proj, "E,N,K": f"{e},{n},{k}", "copy": name,
+                    "path": path, "us": us, "GB/s": bps / 1e9, "pct_copy": 100 * bps / copy_bps,
+                    "equal": equal,
+                })  # fmt: skip
+                print(f"  {label} {proj} {name} {path}: {us:.0f} us", flush=True)
+        del w
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = harness.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     parser.add_argument("--recipes", nargs="+", default=RECIPES, choices=RECIPES)
@@ -455,6 +508,12 @@ def main(argv: list[str] | None = None) -> int:
         "--packed",
         action="store_true",
         help="only the rows GEMMs with packed expert weights against the `_dq` path and BF16",
+    )
+    parser.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="only the `_dq` of each expert-weight copy at the --packed shapes, now against "
+        "the path before 2026-11-28 (replaced.py dq-copy-first), in one process",
     )
     parser.add_argument(
         "--kernel-tiles",
@@ -495,6 +554,20 @@ def main(argv: list[str] | None = None) -> int:
             harness.write_json(
                 args.json, {"benchmark": "grouped_gemms", "banner": info, "rows": out}
             )
+        return 0
+    if args.dequantize:
+        out = []
+        with _kernels_everywhere(device):
+            for label, shape in (PACKED_QUICK if args.quick else PACKED_SHAPES).items():
+                out += dequantize_rows(label, shape, args, device, copy_bps)
+        harness.print_table(
+            out, ["shape", "proj", "E,N,K", "copy", "path", "us", "GB/s", "pct_copy", "equal"]
+        )
+        if args.json:
+            record = {"benchmark": "grouped_expert_dequantize", "banner": info,
+                      "copy_tbps": copy_bps / 1e12, "rows": out,
+                      "argv": sys.argv[1:] if argv is None else argv}  # fmt: skip
+            harness.write_json(args.json, record)
         return 0
     if args.packed:
         packed = PACKED_QUICK if args.quick else PACKED_SHAPES

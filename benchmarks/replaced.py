@@ -1,4 +1,4 @@
-"""Kernel code paths replaced on 2026-11-25, put back for A/B timing only.
+"""Kernel code paths replaced on 2026-11-25 and later, put back for A/B timing only.
 
 - `sr-philox`: stochastic rounding's bits as one Philox4x32-7 draw per 16-value block
   (`tl.randint4x`), which every thread holding part of the block computed in full; the NVFP4
@@ -6,6 +6,12 @@
 - `mx-dq-integer`: the MXFP8 `_dq` values through the E4M3 code on integer bits and back
   (`e4m3_byte_value(e4m3_code_signed(w))`); the kernels now round in FP32 directly
   (`_common.e4m3_round`, the same values).
+- `dq-copy-first` (replaced 2026-11-28): the `_dq` of a saved or cached copy reshaped the codes
+  and scales to contiguous rows first, which for the expert copies along N (each expert a
+  strided view of one [K, E*N] array) is a torch copy of every code before the dequantize
+  kernel; the kernels now read the copy in place (`_common.row_stack`). A Python-level swap,
+  so unlike the others it may be switched within one process: bench_grouped_mm.py
+  `--dequantize` times both side by side with `old_dequantize_dq`.
 
 `use(names)` puts the old functions back into the kernels' modules. Triton resolves a kernel's
 callees when it first compiles it, so call it before the first launch, in its own process:
@@ -15,6 +21,7 @@ NAME[,NAME]`, so one device call can time both versions in two processes.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -56,7 +63,41 @@ def _mx_dq_integer() -> None:
     mxfp8.e4m3_round = _e4m3_round_through_code
 
 
-REPLACED = {"sr-philox": _sr_philox, "mx-dq-integer": _mx_dq_integer}
+def contiguous_rows(q) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy's codes and scales as contiguous [rows, cols] (what `dq-copy-first` did first:
+    a copy of both for a strided copy, views otherwise)."""
+    cols, rows = q.shape[-1], q.shape[:-1].numel()
+    nvfp4 = q.data.dtype == torch.uint8  # (NVFP4 packs two codes a byte; MXFP8 is float8)
+    data = q.data.view(torch.uint8).reshape(rows, cols // 2 if nvfp4 else cols).contiguous()
+    scale = q.scale.view(torch.uint8).reshape(rows, cols // (16 if nvfp4 else 32)).contiguous()
+    return data, scale
+
+
+def old_dequantize_dq(q) -> torch.Tensor:
+    """The `_dq` of an NVFP4 or MXFP8 container as it was made before 2026-11-28: its codes
+    and scales copied to contiguous rows, then the dequantize kernel (today's, given one
+    stack: the old one differed only in not mapping its rows through `stack_rows`, an integer
+    division a row)."""
+    from blockscale.kernels import mxfp8, nvfp4
+
+    data, scale = contiguous_rows(q)
+    nvfp4_copy = q.data.dtype == torch.uint8
+    op = nvfp4._nvfp4_dequantize_3d if nvfp4_copy else mxfp8._mxfp8_dequantize_3d
+    return op(data[None], scale[None]).reshape(q.shape)
+
+
+def _dq_copy_first() -> None:
+    import blockscale.kernels as kernels
+
+    kernels.nvfp4_dequantize_dq = old_dequantize_dq
+    kernels.mxfp8_dequantize_dq = old_dequantize_dq
+
+
+REPLACED = {
+    "sr-philox": _sr_philox,
+    "mx-dq-integer": _mx_dq_integer,
+    "dq-copy-first": _dq_copy_first,
+}
 
 
 def use(names: list[str]) -> None:
