@@ -23,6 +23,9 @@ buffers a compiled graph keeps longer). bench_model's step sets the gradients to
 the end of the forward the parameter state is 12 bytes a parameter (weight and AdamW's two
 moments); `floor_gib` adds the saved activations to it.
 
+`--quantized-weights` adds a compiled nvfp4 row whose linears hold `QuantizedWeight`s (as under
+FSDP2's quantized all-gather): it should save what the plain-weight row saves.
+
     python benchmarks/research/saved_activations_cpu.py --models llama-1b,llama-8b --modes compile,eager \\
         --measured docs/results/bench_model_llama1b_eager_recompute_h100.json,... \\
         --out docs/results/saved_activations_cpu.json     # (no TRITON_INTERPRET)
@@ -49,8 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, fro
 
 from bench_model import MODELS, RECIPES, build, logits_of  # noqa: E402
 
-from blockscale import _library, recipes  # noqa: E402
+from blockscale import _library, distributed, recipes  # noqa: E402
 from blockscale import nn as bsnn  # noqa: E402
+
+_REFERENCE = _library.use_kernels  # where the kernels run (none on this CPU)
 
 # the module (blockscale.ops re-exports the function `linear` under the same name)
 linear_ops = importlib.import_module("blockscale.ops.linear")
@@ -58,6 +63,7 @@ linear_ops = importlib.import_module("blockscale.ops.linear")
 # FP32 weight, AdamW exp_avg and exp_avg_sq; the gradients are None at the forward's end
 PARAM_STATE_BYTES = 12
 FLOAT_DTYPES = {"torch.bfloat16", "torch.float16", "torch.float32"}
+QW_ROW = "nvfp4-quantized-weights"  # --quantized-weights' row
 
 
 class _Stop(Exception):
@@ -80,12 +86,26 @@ def _producer(node) -> str:
     return str(node.target) if node.op == "call_function" else node.op
 
 
-def _model(name: str, recipe: str, seq_len: int) -> torch.nn.Module:
-    """The bench_model model, its parameters allocated but never written (nothing runs)."""
+def _model(
+    name: str, recipe: str, seq_len: int, quantized_weights: bool = False
+) -> torch.nn.Module:
+    """The bench_model model, its parameters allocated but never written (nothing runs).
+    `quantized_weights`: its converted linears' weights replaced by `QuantizedWeight`s (NVFP4
+    primary weights; FSDP2's quantized all-gather hands the layers the same kind), quantized
+    from small random values on the CPU reference path."""
     model, _ = build(MODELS[name], None, seq_len, torch.device("meta"))
     model = model.to_empty(device="cpu")
     if recipe != "bf16":
         bsnn.convert(model, recipes.get(recipe), module_filter_fn=bsnn.layer_policy(model))
+    if quantized_weights:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.02)
+        use_kernels, _library.use_kernels = _library.use_kernels, _REFERENCE
+        try:
+            distributed.to_nvfp4_primary_weights(model)
+        finally:
+            _library.use_kernels = use_kernels
     return model
 
 
@@ -196,6 +216,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=0, help="0: 8 for 1B shapes, 4 for 8B")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--measured", default="", help="comma list of bench_model JSON files")
+    parser.add_argument("--quantized-weights", action="store_true",
+                        help="also count compiled nvfp4 with QuantizedWeight weights "
+                        "(recipe row 'nvfp4-quantized-weights')")  # fmt: skip
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     _library.use_kernels = lambda t: True  # the kernel path's ops, as on CUDA
@@ -211,11 +234,14 @@ def main() -> None:
         tokens = torch.zeros(batch, args.seq_len, dtype=torch.long)
         for mode in args.modes.split(","):
             base = None
-            for recipe in args.recipes.split(","):
-                if recipe not in RECIPES:
+            names = args.recipes.split(",")
+            if args.quantized_weights and mode == "compile" and "nvfp4" in names:
+                names.append(QW_ROW)
+            for recipe in names:
+                if recipe not in RECIPES and recipe != QW_ROW:
                     parser.error(f"unknown recipe {recipe!r}")
                 start = time.perf_counter()
-                model = _model(name, recipe, args.seq_len)
+                model = _model(name, recipe.split("-")[0], args.seq_len, recipe == QW_ROW)
                 n_params = sum(p.numel() for p in model.parameters())
                 saved = (saved_compiled if mode == "compile" else saved_eager)(model, tokens)
                 row = {"model": name, "mode": mode, "recipe": recipe, "batch": batch,

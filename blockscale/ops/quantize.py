@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from blockscale import _library
+from blockscale._registry import library_op, tracing
 from blockscale.formats import grouped, mxfp8, nvfp4
 from blockscale.formats import hadamard as rht
 from blockscale.formats._checks import FLOAT_DTYPES
@@ -86,14 +87,18 @@ def _kernels() -> ModuleType:
 @dataclass
 class NVFP4Operand(NVFP4Tensor):
     """An NVFP4Tensor whose `_dq` the kernels provide: written by the quantize pass, or built
-    by the dequantize kernel on demand (never cached, so saved copies stay packed)."""
+    by the dequantize kernel on demand (never cached, so saved copies stay packed).
+    `saved`: rebuilt in the backward from saved tensors (`load_operand`; see `_saved_dq`)."""
 
     dq_bf16: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    saved: bool = field(default=False, repr=False, compare=False)
 
     def dq(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if self.dq_bf16 is not None:
             return self.dq_bf16.to(dtype)
         if _library.use_kernels(self.data):
+            if self.saved and tracing():
+                return _saved_dq(self.data, self.scale, self.amax, list(self.shape)).to(dtype)
             return _kernels().nvfp4_dequantize_dq(self).to(dtype)
         return super().dq(dtype)
 
@@ -103,13 +108,39 @@ class MXFP8Operand(MXFP8Tensor):
     """An MXFP8Tensor whose `_dq` the kernels provide, as NVFP4Operand's."""
 
     dq_bf16: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    saved: bool = field(default=False, repr=False, compare=False)
 
     def dq(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if self.dq_bf16 is not None:
             return self.dq_bf16.to(dtype)
         if _library.use_kernels(self.data):
+            if self.saved and tracing():
+                return _saved_dq(self.data, self.scale, None, list(self.shape)).to(dtype)
             return _kernels().mxfp8_dequantize_dq(self).to(dtype)
         return super().dq(dtype)
+
+
+@library_op("blockscale::saved_operand_dq")
+def _saved_dq(
+    data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None, shape: list[int]
+) -> torch.Tensor:
+    """The `_dq` of an operand the backward rebuilds from saved codes (NVFP4 with its `amax`,
+    MXFP8 without), in a traced backward: the kernels' dequantize, under an op of its own.
+    Where the forward dequantized the same codes (a weight that arrives quantized feeds the
+    forward GEMM and, transposed, dgrad from its one 16x16 copy), AOTAutograd's CSE merged the
+    two identical dequantize nodes, and the partitioner then saved the BF16 `_dq` for the
+    backward (2 bytes a value, every layer's gathered weight under FSDP2) instead of reading
+    the codes it holds anyway: compiled nvfp4 under FSDP2 peaked at 1.08x BF16's on two H200s
+    (8B shape, 2026-11-28; the saved bytes are counted on the CPU by
+    tests/test_saved_activations.py)."""
+    if amax is None:
+        return _kernels().mxfp8_dequantize_dq(MXFP8Tensor(data, scale, torch.Size(shape)))
+    return _kernels().nvfp4_dequantize_dq(NVFP4Tensor(data, scale, amax, torch.Size(shape)))
+
+
+@_saved_dq.op.register_fake
+def _(data, scale, amax, shape) -> torch.Tensor:
+    return data.new_empty(shape, dtype=torch.bfloat16)
 
 
 def as_operand(q: NVFP4Tensor | MXFP8Tensor, dq: torch.Tensor | None = None):
@@ -378,9 +409,9 @@ def load_operand(tensors: tuple[torch.Tensor, ...], meta: tuple[Any, ...]) -> An
     if kind in _VIEWS:
         return _VIEWS[kind](load_operand(tensors, meta[1]))
     if kind == "nvfp4":
-        return NVFP4Operand(*tensors, shape=meta[1], block=meta[2], hadamard=meta[3])
+        return NVFP4Operand(*tensors, shape=meta[1], block=meta[2], hadamard=meta[3], saved=True)
     if kind == "mxfp8":
-        return MXFP8Operand(*tensors, shape=meta[1])
+        return MXFP8Operand(*tensors, shape=meta[1], saved=True)
     if kind == "hp":
         return HighPrecisionTensor(tensors[0])
     return None
