@@ -30,8 +30,8 @@ knv = importlib.import_module("blockscale.kernels.nvfp4")
 ON_GPU = torch.cuda.is_available()
 DEV = "cuda" if ON_GPU else "cpu"
 
-# name: (quantizer of w [E, N, K] with return_dq, the op the dequantize launches, the formats
-# container class whose `dq` is the reference, whether the copy is along N)
+# name: (the kernels' quantizer of w [E, N, K], returning (copy, its `_dq`); the format, "mx"
+# or "nv"; whether the copy is along N)
 COPIES = {
     "mxfp8-along-k": (lambda w: kernels.mxfp8_quantize_experts(w, return_dq=True), "mx", False),
     "mxfp8-along-n": (
