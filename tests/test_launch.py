@@ -99,7 +99,10 @@ def test_bind_gives_tritons_bound_values_and_equal_keys_equal_specializations(ke
         if kernel is _nvfp4_quantize_kernel:
             calls.append(_quantize_call(x, amax, out8, out16, rows, cols, band, col=col))
         else:
-            calls.append(((out8, buf, out16, rows, cols, band), dict(BR=32, BC=128, num_warps=4)))
+            # (a stack of one: rows per stack, then the codes' and scales' strides)
+            strides = (rows * cols // 2, cols // 2, rows * cols // 16, cols // 16)
+            args = (out8, buf, out16, rows, cols, rows, *strides, band)
+            calls.append((args, dict(BR=32, BC=128, num_warps=4)))
     keys, specializations = [], []
     for args, kwargs in calls:
         params, specialization, options = binder(*args, **kwargs)
@@ -143,7 +146,7 @@ def test_fast_bind_keys_other_argument_types_as_arg_key_does():
     spec = _launch._Kernel(_jit(_nvfp4_dequantize_kernel))
     p = torch.nn.Parameter(torch.zeros(8, dtype=torch.uint8), requires_grad=False)
     for r in (1, 16, 2**31, 2**63, True, 1.5, None, p):
-        args, kwargs = (p, p, p, r, 2, 1), dict(BR=32, BC=128, num_warps=4)
+        args, kwargs = (p, p, p, r, 2, 2, 1, 1, 1, 1, 1), dict(BR=32, BC=128, num_warps=4)
         values, opts = spec.bind(args, kwargs)
         assert spec.fast_bind(3, *args, **kwargs)[0] == spec.key(values, opts, 3)
 
