@@ -291,6 +291,28 @@ def test_compiled_quantized_experts_equal_eager():
     assert torch.equal(compiled, eager)
 
 
+@pytest.mark.usefixtures("kernel_path_on_cpu")
+def test_compiled_experts_are_freed_with_their_model():
+    """A compiled converted model, deleted, frees its experts' parameters once Dynamo's caches
+    are reset. Dynamo (torch 2.13) keeps each constant a nonstrict_trace call was guarded on
+    alive past `torch._dynamo.reset()`, through a reference the garbage collector cannot see;
+    an `_ExpertsForward` that held its module strongly thereby kept every compiled experts
+    module's FP32 weights, so one process that compiled several models (bench_moe_model.py's
+    --memory inline) counted each earlier model's experts in the next one's peak."""
+    import gc
+    import weakref
+
+    def run() -> weakref.ref:
+        model = bsnn.convert(MoE(), RECIPE)
+        torch.compile(model, fullgraph=True, backend="eager")(torch.randn(32, DIM))
+        return weakref.ref(model.experts.gate_up_proj)
+
+    weight = run()
+    torch._dynamo.reset()
+    gc.collect()
+    assert weight() is None
+
+
 def test_experts_frame_traced_as_plain_code_keeps_blockscale_numerics():
     """When the nonstrict call fails to trace, Dynamo breaks the graph and then traces the
     routed forward as ordinary code, where torch._grouped_mm bypasses the router: on torch

@@ -76,6 +76,7 @@ is reported with a warning rather than left silently in high precision.
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 import weakref
@@ -261,13 +262,32 @@ def route_grouped_mm(module: nn.Module, recipe: Recipe, names: Iterable[str]) ->
 class _ExpertsForward:
     """One converted module and its class's own forward: what the compiled graph's opaque call
     receives. A pytree constant (see `_nonstrict_run`) compared by identity, so each module
-    has its own guard, and `copy.deepcopy` of a model copies it along with its module."""
+    has its own guard, and `copy.deepcopy` of a model copies it along with its module.
 
-    __slots__ = ("forward", "module")
+    It holds its module weakly. Dynamo (torch 2.13) keeps a constant that a nonstrict_trace
+    call was guarded on alive after the compiled model is gone, even past
+    `torch._dynamo.reset()`, through a reference the garbage collector does not see; held
+    strongly, the module and its FP32 expert weights stayed with it, so a process that
+    compiled one model after another (bench_moe_model.py's --memory inline) carried every
+    earlier model's experts into the next one's peak (issue 35;
+    test_compiled_experts_are_freed_with_their_model)."""
+
+    __slots__ = ("_module", "forward")
 
     def __init__(self, module: nn.Module, forward: Any) -> None:
-        self.module = module
+        self._module = weakref.ref(module)
         self.forward = forward
+
+    @property
+    def module(self) -> nn.Module:
+        module = self._module()
+        if module is None:  # only a leaked copy outlives its module, and nothing calls that
+            raise RuntimeError("the converted experts module of this forward was deleted")
+        return module
+
+    def __deepcopy__(self, memo: dict) -> _ExpertsForward:
+        # deepcopy of a model has registered the module's copy in `memo` before its state
+        return _ExpertsForward(copy.deepcopy(self.module, memo), self.forward)
 
     def __eq__(self, other: object) -> bool:
         return self is other
