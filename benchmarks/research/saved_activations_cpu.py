@@ -23,6 +23,19 @@ buffers a compiled graph keeps longer). bench_model's step sets the gradients to
 the end of the forward the parameter state is 12 bytes a parameter (weight and AdamW's two
 moments); `floor_gib` adds the saved activations to it.
 
+MoE models: bench_moe_model.py's (qwen3-30b-a3b, deepseek-v3, mixtral and their -tiny
+variants), built as it builds them: FP32 masters, `bf16` the cast baseline (the experts'
+grouped GEMMs on BF16 casts), a quantized recipe converted with every block quantized.
+
+`--inductor-peak` (compile mode): also the peak of each compiled graph as Inductor plans it,
+from its scheduler's buffer lifetimes in the order it picked (`torch._inductor.memory`), the
+parameters left out: `fw_peak_gib` (the forward, its saved tensors included) and
+`bw_peak_gib` (the backward: the saved tensors freed at their last use, the gradients it
+returns kept). A full Inductor compile on the CPU (gcc builds the forward's kernels; about
+30 s a row), stopped before the backward's code is generated. Opaque ops (the library's
+kernels) count their outputs only, not what they allocate inside. Under both options the
+GEMM operands are BF16, as on CUDA (the CPU path widens them to FP32).
+
 `--quantized-weights` adds a compiled nvfp4 row whose linears hold `QuantizedWeight`s (as under
 FSDP2's quantized all-gather): it should save what the plain-weight row saves.
 
@@ -35,7 +48,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import importlib
+import itertools
 import json
 import math
 import sys
@@ -50,10 +65,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, from anywhere
 
+import bench_moe_model  # noqa: E402
 from bench_model import MODELS, RECIPES, build, logits_of  # noqa: E402
 
 from blockscale import _library, distributed, recipes  # noqa: E402
 from blockscale import nn as bsnn  # noqa: E402
+from blockscale.gemm import dispatch as gemm_dispatch  # noqa: E402
+from blockscale.gemm import grouped as gemm_grouped  # noqa: E402
 
 _REFERENCE = _library.use_kernels  # where the kernels run (none on this CPU)
 
@@ -89,10 +107,15 @@ def _producer(node) -> str:
 def _model(
     name: str, recipe: str, seq_len: int, quantized_weights: bool = False
 ) -> torch.nn.Module:
-    """The bench_model model, its parameters allocated but never written (nothing runs).
-    `quantized_weights`: its converted linears' weights replaced by `QuantizedWeight`s (NVFP4
+    """The bench_model (or bench_moe_model) model, its parameters allocated but never written
+    (nothing runs). `quantized_weights`: its converted linears' weights replaced by `QuantizedWeight`s (NVFP4
     primary weights; FSDP2's quantized all-gather hands the layers the same kind), quantized
     from small random values on the CPU reference path."""
+    if name in bench_moe_model.MODELS:
+        spec = bench_moe_model.MODELS[name]
+        return bench_moe_model.build(spec, recipe, seq_len, torch.device("meta")).to_empty(
+            device="cpu"
+        )
     model, _ = build(MODELS[name], None, seq_len, torch.device("meta"))
     model = model.to_empty(device="cpu")
     if recipe != "bf16":
@@ -112,6 +135,75 @@ def _model(
 def _logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         return logits_of(model, tokens)
+
+
+class _Cuda:
+    type = "cuda"
+
+
+@contextlib.contextmanager
+def _cuda_operand_dtypes():
+    """The GEMMs' `_dq` operands in BF16, as on CUDA (gemm/dispatch.py and gemm/grouped.py
+    widen them to FP32 on other devices, which a trace would count as copies)."""
+    dq_dtype, device, resolve = (
+        gemm_grouped._dq_dtype, gemm_dispatch._device, gemm_dispatch.resolve_backend
+    )  # fmt: skip
+    cpu = torch.device("cpu")
+    gemm_grouped._dq_dtype = lambda op: torch.bfloat16
+    gemm_dispatch._device = lambda op: _Cuda  # read for the dtype and the backend only
+    gemm_dispatch.resolve_backend = lambda b, d: resolve(b, cpu if d is _Cuda else d)
+    try:
+        yield
+    finally:
+        gemm_grouped._dq_dtype, gemm_dispatch._device = dq_dtype, device
+        gemm_dispatch.resolve_backend = resolve
+
+
+def inductor_peaks(model: torch.nn.Module, tokens: torch.Tensor) -> dict[str, int]:
+    """{"fw": bytes, "bw": bytes}: each compiled graph's peak as Inductor's scheduler plans it
+    (module docstring, `--inductor-peak`); inputs named primals_* (the parameters) left out."""
+    import torch._inductor.config as inductor_config  # noqa: PLC0415
+    import torch._inductor.memory as memory  # noqa: PLC0415
+
+    peaks: dict[str, int] = {}
+    reorder = memory.reorder_for_peak_memory
+
+    def record(nodes, name_to_buf, name_to_fused_node, graph_inputs, graph_outputs, **kw):
+        order = reorder(nodes, name_to_buf, name_to_fused_node, graph_inputs, graph_outputs,
+                        **kw)  # fmt: skip
+        _, freeable = memory.prepare_planning_info(
+            order, name_to_buf, name_to_fused_node, graph_inputs, graph_outputs
+        )
+        infos, _, _ = memory.compute_memory_timeline(order, freeable, graph_outputs)
+        delta = [0] * (len(order) + 2)
+        for info in infos:
+            buffer = info.buffer
+            if isinstance(buffer, memory.FreeableInputBuffer) and buffer.name.startswith("primals"):
+                continue  # a parameter: held for the whole step, in every recipe
+            delta[info.start_step] += info.size_alloc
+            if info.end_step != -1:
+                delta[info.end_step + 1] -= info.size_free
+        live = list(itertools.accumulate(delta))
+        peaks["bw" if "fw" in peaks else "fw"] = max(live)
+        if "bw" in peaks:
+            raise _Stop  # before the backward's code is generated
+        return order
+
+    memory.reorder_for_peak_memory = record
+    torch._dynamo.reset()
+    try:
+        with (
+            torch._functorch.config.patch(force_non_lazy_backward_lowering=True,
+                                          enable_autograd_cache=False),
+            inductor_config.patch(fx_graph_cache=False, reorder_for_peak_memory=True),
+        ):  # fmt: skip
+            _logits(torch.compile(model, fullgraph=True), tokens)
+    except Exception as e:
+        if "_Stop" not in repr(e) and not isinstance(e.__cause__, _Stop):
+            raise
+    finally:
+        memory.reorder_for_peak_memory = reorder
+    return peaks
 
 
 def saved_compiled(model: torch.nn.Module, tokens: torch.Tensor) -> list[tuple[str, str, tuple]]:
@@ -219,6 +311,9 @@ def main() -> None:
     parser.add_argument("--quantized-weights", action="store_true",
                         help="also count compiled nvfp4 with QuantizedWeight weights "
                         "(recipe row 'nvfp4-quantized-weights')")  # fmt: skip
+    parser.add_argument("--inductor-peak", action="store_true",
+                        help="compile mode: also each compiled graph's peak as Inductor plans "
+                        "it (fw_peak_gib, bw_peak_gib; module docstring)")  # fmt: skip
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     _library.use_kernels = lambda t: True  # the kernel path's ops, as on CUDA
@@ -230,31 +325,49 @@ def main() -> None:
                 measured[(r["model"], r["mode"], r["recipe"])] = r["peak_gib"]
     rows = []
     for name in args.models.split(","):
+        if name not in MODELS and name not in bench_moe_model.MODELS:
+            parser.error(f"unknown model {name!r}")
         batch = args.batch_size or (4 if name == "llama-8b" else 8)
+        modes = args.modes.split(",")
+        if name in bench_moe_model.MODELS and "eager" in modes:
+            # transformers' experts read the routing on the host, which fake tensors cannot give
+            print(f"{name}: compile mode only (an eager MoE forward cannot run on fake tensors)")
+            modes.remove("eager")
         tokens = torch.zeros(batch, args.seq_len, dtype=torch.long)
-        for mode in args.modes.split(","):
+        for mode in modes:
             base = None
             names = args.recipes.split(",")
-            if args.quantized_weights and mode == "compile" and "nvfp4" in names:
+            moe = name in bench_moe_model.MODELS
+            if args.quantized_weights and mode == "compile" and "nvfp4" in names and not moe:
                 names.append(QW_ROW)
             for recipe in names:
-                if recipe not in RECIPES and recipe != QW_ROW:
+                if recipe not in RECIPES and recipe != QW_ROW and not moe:
                     parser.error(f"unknown recipe {recipe!r}")
                 start = time.perf_counter()
                 model = _model(name, recipe.split("-")[0], args.seq_len, recipe == QW_ROW)
                 n_params = sum(p.numel() for p in model.parameters())
-                saved = (saved_compiled if mode == "compile" else saved_eager)(model, tokens)
+                with _cuda_operand_dtypes():
+                    saved = (saved_compiled if mode == "compile" else saved_eager)(model, tokens)
+                    peaks = {}
+                    if args.inductor_peak and mode == "compile":
+                        peaks = inductor_peaks(model, tokens)
                 row = {"model": name, "mode": mode, "recipe": recipe, "batch": batch,
                        "seq_len": args.seq_len, "params_m": n_params / 1e6,
                        "param_state_gib": n_params * PARAM_STATE_BYTES / 2**30,
                        **summarize(saved)}  # fmt: skip
                 row["floor_gib"] = row["param_state_gib"] + row["saved_gib"]
+                row.update({f"{k}_peak_gib": v / 2**30 for k, v in peaks.items()})
                 base = row if recipe == "bf16" else base
                 line = ""
                 if base is not None:
                     row["saved_vs_bf16"] = row["saved_gib"] / base["saved_gib"]
                     row["floor_vs_bf16"] = row["floor_gib"] / base["floor_gib"]
                     line = f"(x{row['saved_vs_bf16']:.3f}), floor x{row['floor_vs_bf16']:.3f}"
+                    for k in ("fw", "bw"):
+                        if f"{k}_peak_gib" in row and f"{k}_peak_gib" in base:
+                            row[f"{k}_peak_vs_bf16"] = row[f"{k}_peak_gib"] / base[f"{k}_peak_gib"]
+                            line += f", {k} peak {row[f'{k}_peak_gib'] * 1024:.1f} MiB"
+                            line += f" (x{row[f'{k}_peak_vs_bf16']:.3f})"
                 bf16_peak = measured.get((name, mode, "bf16"))
                 if base is not None and bf16_peak:
                     row["predicted_peak_gib"] = bf16_peak - base["saved_gib"] + row["saved_gib"]
