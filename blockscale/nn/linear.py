@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockscale.ops.linear import RecipeConstant, compiled_linear, linear
+from blockscale.ops.linear import RecipeConstant, compiled_linear, holds_quantized_copies, linear
 from blockscale.ops.weight_cache import WeightCache
 from blockscale.recipes import Recipe, require_recipe
 
@@ -153,7 +153,7 @@ def _traceable_weight(weight: torch.Tensor) -> bool:
     """A weight `compiled_linear` takes: a plain tensor, or one that holds its quantized copies
     (FSDP2's quantized all-gather, NVFP4 primary weights), which Dynamo carries as its inner
     tensors (`__tensor_flatten__`) and AOTAutograd traces `linear` with."""
-    return _plain(weight) or hasattr(type(weight), "quantized_copy")
+    return _plain(weight) or holds_quantized_copies(weight)
 
 
 @torch.compiler.disable

@@ -192,14 +192,15 @@ def weight_operand(
     """The weight quantized per `config` (NVFP4 with `amax`, if given). A weight that arrives
     already quantized (one that blockscale.distributed all-gathered as NVFP4/MXFP8, or NVFP4
     primary weights) has a `quantized_copy` method and hands over the copy it holds instead."""
-    if _is_quantized(weight):
+    if holds_quantized_copies(weight):
         return weight.quantized_copy(config, transpose)  # type: ignore[attr-defined]
     if config.format is not Format.NVFP4:
         amax = None
     return quantize_operand(weight, config, transpose=transpose, dq=dq, amax=amax)
 
 
-def _is_quantized(weight: torch.Tensor) -> bool:
+def holds_quantized_copies(weight: torch.Tensor) -> bool:
+    """A weight that arrives quantized (a `QuantizedWeight`): it hands over its copies."""
     return hasattr(type(weight), "quantized_copy")
 
 
@@ -226,7 +227,11 @@ def recomputes_weight(
     it as a cast made in the forward, which a compiled backward rebuilding from it kept alive
     (measured on an H100, compiled MoE layer: nvfp4 peak 0.93x -> 1.41x BF16's,
     docs/TRAINING.md)."""
-    if not RECOMPUTE_WEIGHT or _is_quantized(weight) or config.rounding is not Rounding.NEAREST:
+    if (
+        not RECOMPUTE_WEIGHT
+        or holds_quantized_copies(weight)
+        or config.rounding is not Rounding.NEAREST
+    ):
         return False
     if tracing():
         return under_trace
@@ -455,7 +460,7 @@ class _Linear(torch.autograd.Function):
                 local: list[torch.Tensor | None] = [None, None, None]
                 if sharded.input:
                     local[:2] = rows_and_tokens_amax(x, recipe.output.input, wgrad_cfg)
-                if sharded.weight and not _is_quantized(weight):
+                if sharded.weight and not holds_quantized_copies(weight):
                     # Both weight copies scale with max |w|: a recipe puts no Hadamard
                     # transform on a weight.
                     configs = [recipe.output.weight] + ([dgrad_cfg] if dgrad_copy else [])
