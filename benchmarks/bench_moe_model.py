@@ -37,7 +37,9 @@ cross-entropy, backward, clipping at 1.0, fused AdamW. "compile" is plain
   in one process inherits their allocator's cached blocks and fragmentation). --memory inline
   takes the peaks of the shared process instead (faster), --memory none skips them; the
   shared process's peak is kept as peak_gib_shared either way;
-- status: ok, or why the row has no figures (compile_timeout, oom, error: ...).
+- status: ok, or why the row has no figures (compile_timeout, oom, error: ...);
+- profile (--profile TOP, in the JSON): one more step of the shared process under
+  torch.profiler: its TOP kernels by device time, launches, host issue and wall time.
 
 Sized for one model per 10-minute device call (both modes, bf16 / nvfp4 / mxfp8 and six memory
 processes; not yet timed on a GPU): split with --models, and --eager / --compile if a model
@@ -195,6 +197,8 @@ def run_case(name: str, mode: str, recipe: str, args, device: torch.device) -> d
         row["tokens_per_s"] = args.batch_size * args.seq_len / (timing.median_ms * 1e-3)
         if device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if args.profile:  # after the peak: the profiler's own buffers stay out of it
+            row["profile"] = bench_model.profile_step(step, batches[0], device, args.profile)
     except Exception as e:  # a failing recipe must not lose the others' figures
         row["status"] = bench_model.failure(e)
     finally:
@@ -263,6 +267,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "process, or not at all (the default with --smoke)")  # fmt: skip
     parser.add_argument("--memory-steps", type=int, default=2, help="timed steps per process")
     parser.add_argument("--memory-timeout", type=float, default=300.0, help="s per process")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="one more step under torch.profiler per row: its TOP kernels by "
+                        "device time, launches and host time (in the JSON)")  # fmt: skip
     parser.add_argument("--device", default=None)
     parser.add_argument("--smoke", action="store_true",
                         help="CPU smoke test: the tiny models (unless --models), batch 2, "
