@@ -119,3 +119,54 @@ def test_non_finite_input_propagates():
     np.testing.assert_array_equal(
         y[1].numpy(), ref.hadamard(x[1:].numpy())[0]
     )  # other blocks untouched
+
+
+def _fp32_bit_patterns() -> torch.Tensor:
+    """2^16 random FP32 bit patterns and the edges of BF16 rounding: ties to even either
+    way, the largest finite value (rounds to Inf), +-Inf, NaNs (one that a carry would turn
+    into Inf), signed zeros, subnormals."""
+    g = torch.Generator().manual_seed(7)
+    bits = torch.randint(-(2**31), 2**31, (1 << 16,), dtype=torch.int64, generator=g)
+    edges = [0x3F808000, 0x3F818000, 0x3F808001, 0x7F7FFFFF, 0x7F800000, 0xFF800000,
+             0x7FC00000, 0x7F800001, 0xFFFFFFFF, 0x00000000, 0x80000000, 0x00008000,
+             0x00018000, 0x807FFFFF]  # fmt: skip
+    edges = torch.tensor(edges, dtype=torch.int64)
+    signed = torch.where(edges >= 2**31, edges - 2**32, edges)
+    return torch.cat([bits, signed]).to(torch.int32).view(torch.float32)
+
+
+def _assert_same_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_bf16_values_equal_the_bfloat16_cast(compiled):
+    # hadamard.transform rounds through integer ops (bf16_values) because torch 2.11's CPU
+    # Inductor drops a BF16 round trip inside a fused kernel; the values must be the cast's.
+    from blockscale.formats.hadamard import bf16_values
+    from blockscale.ops.linear import EXACT_INDUCTOR_OPTIONS
+
+    y = _fp32_bit_patterns()
+    fn = torch.compile(bf16_values, options=EXACT_INDUCTOR_OPTIONS) if compiled else bf16_values
+    got = fn(y)
+    assert got.dtype == torch.float32
+    _assert_same_bf16(got.to(torch.bfloat16), y.to(torch.bfloat16))
+
+
+def test_compiled_hadamard_quantization_equals_eager():
+    # Under torch 2.11 on the CPU this differed in 94% of the codes before bf16_values: the
+    # compiled reference took its amax and codes from the transform before BF16 rounding.
+    from blockscale.ops.linear import EXACT_INDUCTOR_OPTIONS
+
+    x = randn(64, 256, seed=8) * torch.rand(64, 256, generator=torch.Generator().manual_seed(9))
+
+    def quantized(x):
+        q = nvfp4.quantize(x * 10, hadamard=True)
+        return q.data, q.scale.view(torch.uint8), q.amax
+
+    want = quantized(x)
+    got = torch.compile(quantized, options=EXACT_INDUCTOR_OPTIONS)(x)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)

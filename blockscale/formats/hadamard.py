@@ -68,4 +68,16 @@ def transform(x: torch.Tensor, signs: tuple[int, ...] = DEFAULT_SIGNS) -> torch.
         )
     h = matrix(signs, torch.float64, x.device)
     blocks = x.to(torch.float64).reshape(*x.shape[:-1], -1, SIZE)
-    return (blocks @ h).reshape(x.shape).to(torch.float32).to(torch.bfloat16)
+    return bf16_values((blocks @ h).reshape(x.shape).to(torch.float32)).to(torch.bfloat16)
+
+
+def bf16_values(y: torch.Tensor) -> torch.Tensor:
+    """FP32 `y` rounded to the nearest BF16 value (ties to even; NaN stays NaN), still FP32:
+    the values `y.to(torch.bfloat16)` holds, computed on the bits. torch 2.11's CPU Inductor
+    drops a BF16 round trip inside a fused kernel (`y.to(bfloat16).float()` reads `y`), even
+    with `emulate_precision_casts` (2.13 keeps it), so a compiled CPU reference would quantize
+    the unrounded transform; integer ops it cannot drop. Cast to BF16 afterwards, exactly."""
+    bits = y.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # the bits as an unsigned value
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)  # no wrap-around
+    return torch.where(torch.isnan(y), y, bits.view(torch.float32))

@@ -181,10 +181,12 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
     """`kernel[grid](*args, **kwargs)` through `wrap_triton` (which launches the kernel itself
     where it is off, or records it under a trace), launched directly instead once the kernel
     has been compiled for this specialization (module docstring)."""
-    if is_wrap_triton_enabled is None or is_wrap_triton_enabled() or not _direct():
+    if is_wrap_triton_enabled is None or is_wrap_triton_enabled():
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
         return
-    _fast(kernel, grid, args, kwargs)
+    # wrap_triton switched off hands back the kernel itself; calling it here also launches
+    # Triton's interpreted functions, which torch 2.11's wrap_triton refuses (not triton.jit)
+    direct(kernel, grid, *args, **kwargs)
 
 
 def direct(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
