@@ -59,14 +59,13 @@ import time
 from pathlib import Path
 
 import torch
-from torch._dynamo.backends.common import aot_autograd
 from torch._higher_order_ops.auto_functionalize import auto_functionalized, auto_functionalized_v2
 from torch._inductor import compile_fx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/research/
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 
-from saved_activations_cpu import _cuda_operand_dtypes, _logits, _model, _Stop  # noqa: E402
+from saved_activations_cpu import _cuda_operand_dtypes, _model, _Stop, trace_partitioned  # noqa: E402
 
 from blockscale import _library  # noqa: E402
 from blockscale.gemm import dispatch  # noqa: E402
@@ -84,14 +83,7 @@ def trace(model: torch.nn.Module, tokens: torch.Tensor) -> dict[str, torch.fx.Gr
         graphs["fw"], graphs["bw"] = compile_fx.partition_fn(joint, joint_inputs, **kwargs)
         raise _Stop
 
-    backend = aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
-                           partition_fn=partition)  # fmt: skip
-    torch._dynamo.reset()
-    try:
-        _logits(torch.compile(model, backend=backend, fullgraph=True), tokens)
-    except Exception as e:  # Dynamo wraps the backend's exception
-        if "_Stop" not in repr(e) and not isinstance(e.__cause__, _Stop):
-            raise
+    trace_partitioned(model, tokens, partition)
     return graphs
 
 

@@ -88,6 +88,25 @@ class _Stop(Exception):
     pass
 
 
+def run_until_stopped(compiled, tokens: torch.Tensor) -> None:
+    """One forward of a compiled model whose backend or pass ends the run by raising `_Stop`
+    once it has what it needs: that exception, as Dynamo wraps it, is swallowed."""
+    try:
+        _logits(compiled, tokens)
+    except Exception as e:  # Dynamo wraps the backend's exception
+        if "_Stop" not in repr(e) and not isinstance(e.__cause__, _Stop):
+            raise
+
+
+def trace_partitioned(model: torch.nn.Module, tokens: torch.Tensor, partition) -> None:
+    """Compile `model` (fullgraph) with AOTAutograd and `partition` as its partition function,
+    the graphs left uncompiled; `partition` reads what it needs and raises `_Stop`."""
+    backend = aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
+                           partition_fn=partition)  # fmt: skip
+    torch._dynamo.reset()
+    run_until_stopped(torch.compile(model, backend=backend, fullgraph=True), tokens)
+
+
 # ops whose output shares its input's storage: a saved tensor made by one is charged to the op
 # that wrote the storage
 _VIEWS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "slice", "select",
@@ -197,10 +216,7 @@ def inductor_peaks(model: torch.nn.Module, tokens: torch.Tensor) -> dict[str, in
                                           enable_autograd_cache=False),
             inductor_config.patch(fx_graph_cache=False, reorder_for_peak_memory=True),
         ):  # fmt: skip
-            _logits(torch.compile(model, fullgraph=True), tokens)
-    except Exception as e:
-        if "_Stop" not in repr(e) and not isinstance(e.__cause__, _Stop):
-            raise
+            run_until_stopped(torch.compile(model, fullgraph=True), tokens)
     finally:
         memory.reorder_for_peak_memory = reorder
     return peaks
@@ -223,14 +239,7 @@ def saved_compiled(model: torch.nn.Module, tokens: torch.Tensor) -> list[tuple[s
             saved.append((_producer(node), str(value.dtype), tuple(value.shape), nbytes))
         raise _Stop
 
-    backend = aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
-                           partition_fn=partition)  # fmt: skip
-    torch._dynamo.reset()
-    try:
-        _logits(torch.compile(model, backend=backend, fullgraph=True), tokens)
-    except Exception as e:  # Dynamo wraps the backend's exception
-        if "_Stop" not in repr(e) and not isinstance(e.__cause__, _Stop):
-            raise
+    trace_partitioned(model, tokens, partition)
     return saved
 
 
