@@ -394,3 +394,50 @@ def test_grouped_mm_under_a_trace_keeps_the_packed_copy(monkeypatch):
         bs.grouped_mm(x.requires_grad_(), w.transpose(-2, -1), offs, RECIPES["nvfp4-nearest"])
     assert storage(w) not in saved.storages()
     assert saved.new_bytes(w, offs) > packed_bytes(w.numel(), "nvfp4", amax=0)
+
+
+def test_grouped_mm_makes_both_mxfp8_expert_copies_from_one_read(monkeypatch):
+    """A forward that keeps grad_input's copy along N (a weight cast in the forward, or any
+    traced step) makes both MXFP8 expert copies in one launch, one read of the weights
+    (`quantize_experts_pair`): the bits of two launches, outputs and gradients alike, and with
+    a weight cache both copies are kept, so a second micro-batch launches nothing for them."""
+    kernels_on(monkeypatch)
+    kg = importlib.import_module("blockscale.kernels.grouped")
+    launch = kg._mxfp8_quantize_grouped_2d
+    expert_launches: list[tuple[bool, bool]] = []
+
+    def spy(x, source, row, col, dq_row, dq_col):
+        if source is None:  # the expert weights' rows (activations walk a layout)
+            expert_launches.append((row, col))
+        return launch(x, source, row, col, dq_row, dq_col)
+
+    monkeypatch.setattr(kg, "_mxfp8_quantize_grouped_2d", spy)
+    x, w, go, offs = grouped_inputs()
+    x, go = x.bfloat16(), go.bfloat16()
+
+    def step(cache=None, micro_batches=1):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        for _ in range(micro_batches):
+            w_t = wr.to(torch.bfloat16).transpose(-2, -1)  # computed in the forward
+            out = bs.grouped_mm(xr, w_t, offs, RECIPES["mxfp8"], weight_cache=cache,
+                                weight_source=wr)  # fmt: skip
+            out.backward(go)
+        return [out, xr.grad, wr.grad]
+
+    new = step()
+    assert expert_launches == [(True, True)], expert_launches
+    expert_launches.clear()
+    with monkeypatch.context() as m:
+        m.setattr(ops_grouped, "quantize_experts_pair", lambda *a, **k: None)
+        old = step()
+    assert expert_launches == [(True, False), (False, True)], expert_launches
+    for what, a, b_ in zip(["output", "grad_input", "grad_weight"], new, old):
+        torch.testing.assert_close(a, b_, atol=0, rtol=0, msg=what)
+    expert_launches.clear()
+    cache = ops_grouped.WeightCache()
+    cached = step(cache, micro_batches=2)
+    assert expert_launches == [(True, True)], expert_launches
+    assert len(cache) == 2
+    old2 = [t * 2 if i else t for i, t in enumerate(old)]  # two micro-batches: twice (exact)
+    for what, a, b_ in zip(["output", "grad_input", "grad_weight"], cached, old2):
+        torch.testing.assert_close(a, b_, atol=0, rtol=0, msg=what)

@@ -12,6 +12,7 @@ from blockscale.kernels.epilogue import gemm_epilogue
 from blockscale.kernels.grouped import (
     group_amax,
     mxfp8_quantize_experts,
+    mxfp8_quantize_experts_pair,
     mxfp8_quantize_grouped,
     nvfp4_quantize_experts,
     nvfp4_quantize_experts_t,
@@ -44,6 +45,7 @@ __all__ = [
     "grouped_gemm_rows_packed",
     "grouped_gemm_tokens",
     "mxfp8_quantize_experts",
+    "mxfp8_quantize_experts_pair",
     "mxfp8_quantize_grouped",
     "nvfp4_quantize_experts",
     "nvfp4_quantize_experts_t",

@@ -77,7 +77,16 @@ AMAX_TILE = (512, 4, 4)
 # same cap slowed the forward (792 -> 855 us). Since its rounding is one `add_rp` (nvfp4.py;
 # 2026-11-26, last session) the cap is 80, a sixth program an SM, still no spills: 1047 ->
 # 1012 us and 2062 -> 1978 us (H100, 8 experts). bench_grouped_mm.py --kernel-tiles sweeps these.
-TILES: dict[str, tuple] = {"nvfp4:both_dq": (32, 64, 4), "nvfp4:both_sr_dq": (32, 64, 4, 80)}
+# The expert weights' own launches (FP32 masters, [E*N, K] rows; the transformers MoE models'
+# shapes, one H200, 2026-11-28, bench_moe_kernels.py): MXFP8's copy along N at the dense
+# table's old 64x64/8 ran at 21% of copy, at 32x64/2 at 65% (3.07 -> 0.97 ms for 256 experts
+# of 1024 x 2048; the dense table took 32x64/2 too); NVFP4's 16x16 copy at 32x64/4 87%
+# against 83% at 32x128/8 (docs/KERNELS.md, "The MoE models' own launches").
+TILES: dict[str, tuple] = {
+    "nvfp4:both_dq": (32, 64, 4),
+    "nvfp4:both_sr_dq": (32, 64, 4, 80),
+    "nvfp4:row_dq": (32, 64, 4),
+}
 
 
 @triton.jit
@@ -507,19 +516,41 @@ def mxfp8_quantize_grouped(
     return row_out, tok_out
 
 
-def mxfp8_quantize_experts(w: torch.Tensor, transpose: bool = False, return_dq: bool = False):
-    """Expert weights w [E, N, K] in MXFP8 along K ([E, N, K]) or along N ([E, K, N], a
-    strided view per expert): the [E*N, K] rows in one launch (blocks of 32 along N never
-    cross experts, N % 32 == 0; 64-bit offsets, since a stack of experts passes 2^31 values)."""
+def _mxfp8_experts(w: torch.Tensor, row: bool, col: bool, dq_row: bool, dq_col: bool):
+    """Expert weights w [E, N, K] in MXFP8 along K ([E, N, K]) and/or along N ([E, K, N], a
+    strided view per expert), both from one read of w: the [E*N, K] rows in one launch (blocks
+    of 32 along N never cross experts, N % 32 == 0; 64-bit offsets, since a stack of experts
+    passes 2^31 values). Returns (copy along K | None, copy along N | None), each `(q, dq)`
+    where its `_dq` was asked for, else q."""
     E, N, K = w.shape
     data, scale, dq, data_t, scale_t, dq_t = _mxfp8_quantize_grouped_2d(
-        w.reshape(E * N, K), None, not transpose, transpose, return_dq, return_dq
+        w.reshape(E * N, K), None, row, col, dq_row, dq_col
     )
-    if not transpose:
-        res = mx._container(data, scale, w.shape)
-        return (res, dq.reshape(E, N, K)) if return_dq else res
-    q = mx._container(data_t, scale_t, torch.Size((K, E * N)))
-    data = q.data.view(K, E, N).permute(1, 0, 2)
-    scale = q.scale.view(K, E, N // 32).permute(1, 0, 2)
-    res = MXFP8Tensor(data, scale, torch.Size((E, K, N)))
-    return (res, dq_t.view(K, E, N).permute(1, 0, 2)) if return_dq else res
+    along_k = along_n = None
+    if row:
+        along_k = mx._container(data, scale, w.shape)
+        along_k = (along_k, dq.reshape(E, N, K)) if dq_row else along_k
+    if col:
+        q = mx._container(data_t, scale_t, torch.Size((K, E * N)))
+        along_n = MXFP8Tensor(
+            q.data.view(K, E, N).permute(1, 0, 2),
+            q.scale.view(K, E, N // 32).permute(1, 0, 2),
+            torch.Size((E, K, N)),
+        )
+        along_n = (along_n, dq_t.view(K, E, N).permute(1, 0, 2)) if dq_col else along_n
+    return along_k, along_n
+
+
+def mxfp8_quantize_experts(w: torch.Tensor, transpose: bool = False, return_dq: bool = False):
+    """Expert weights w [E, N, K] in MXFP8 along K ([E, N, K]) or along N ([E, K, N], a
+    strided view per expert), with its `_dq` if `return_dq`."""
+    along_k, along_n = _mxfp8_experts(w, not transpose, transpose, return_dq, return_dq)
+    return along_n if transpose else along_k
+
+
+def mxfp8_quantize_experts_pair(w: torch.Tensor, return_dq: bool = False):
+    """Both MXFP8 copies of expert weights w [E, N, K] from one read (a forward that keeps the
+    copy along N for grad_input): (copy along K, with its `_dq` if `return_dq`; copy along N,
+    packed). The bits of two `mxfp8_quantize_experts` calls; one FP32 read of the weights
+    instead of two (docs/KERNELS.md, "The MoE models' own launches")."""
+    return _mxfp8_experts(w, True, True, return_dq, False)

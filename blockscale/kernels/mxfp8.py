@@ -194,11 +194,15 @@ def _mxfp8_dequantize_kernel(
 # (BM, BK, num_warps[, maxnreg]) per kind of launch (_common.launch_tiles, docs/KERNELS.md);
 # the benchmark may sweep these. col, both and both_dq are the 2026-11-25 late sweep's winners
 # (3%, 6% and 14% faster on the H100; both's 128-register cap gives 4 programs an SM, not 3).
+# col and col_dq, the launches of a weight's copy along N, moved to 32x64/2 on 2026-11-28 (one
+# H200, bench_moe_kernels.py --dense, Llama's weight shapes): FP32 masters 18-25% of copy at
+# 64x64/8, 49-72% at 32x64/2 (8B's [14336, 4096] with `_dq`: 382 -> 135 us); BF16 weights
+# 41-55% -> 45-67%.
 TILES = {
     "row": (64, 128, 8),
     "row_dq": (32, 128, 8),
-    "col": (64, 64, 8),
-    "col_dq": (64, 64, 8),
+    "col": (32, 64, 2),
+    "col_dq": (32, 64, 2),
     "both": (64, 64, 4, 128),
     "both_dq": (32, 128, 4),
 }

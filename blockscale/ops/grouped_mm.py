@@ -76,11 +76,12 @@ from blockscale.ops.quantize import (
     QuantizedOperand,
     load_operand,
     quantize_experts,
+    quantize_experts_pair,
     quantize_grouped,
     save_operand,
 )
 from blockscale.ops.weight_cache import Stamp, WeightCache
-from blockscale.recipes import Recipe, require_recipe
+from blockscale.recipes import OperandConfig, Recipe, Rounding, require_recipe
 
 
 def unsupported_reason(k: int, n: int, recipe: Recipe) -> str | None:
@@ -161,6 +162,32 @@ def _dgrad_weight(
     return TransposedExperts(w_lp) if shared else w_lp  # type: ignore[arg-type,return-value]
 
 
+def _weight_pair(
+    weight: torch.Tensor,
+    w_cfg: OperandConfig,
+    dgrad_cfg: OperandConfig,
+    dq: bool,
+    cache: WeightCache | None,
+    stamp: Stamp | None,
+) -> tuple[QuantizedOperand, QuantizedOperand] | None:
+    """The forward's copy along K (with its `_dq` if `dq`) and grad_input's copy along N,
+    packed, from one read of the expert weights (`quantize_experts_pair`), kept in `cache` as
+    `cached_weight` would keep them; None where the cache holds either already or one launch
+    cannot make both (then each copy is made on its own, as before)."""
+    if w_cfg.rounding is not Rounding.NEAREST or dgrad_cfg.rounding is not Rounding.NEAREST:
+        return None
+    keys = ((w_cfg, False), (dgrad_cfg, True))
+    if cache is not None and (
+        cache.keep_dq or any(cache.get(stamp, key) is not None for key in keys)
+    ):
+        return None  # (a `keep_dq` cache keeps the copy along N with its `_dq`: made alone)
+    pair = quantize_experts_pair(weight, w_cfg, dgrad_cfg, dq=dq)
+    if pair is not None and cache is not None and stamp is not None:
+        for key, op in zip(keys, pair):
+            cache.put(stamp, key, op)
+    return pair
+
+
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -180,19 +207,23 @@ class _GroupedMM(torch.autograd.Function):
             wgrad_cfg = recipe.grad_weight.input_t if ctx.needs_input_grad[1] else None
             x_lp, x_t = quantize_grouped(input, offs, layout, recipe.output.input, wgrad_cfg)
             w_cfg = recipe.output.weight
-
-            def make_w(dq: bool) -> QuantizedOperand:
-                return quantize_experts(weight, w_cfg, dq=dq)
-
-            dq = not packed_weight_rule(weight)  # (gemm/grouped.py)
-            w_lp = cached_weight(cache, stamp, make_w, w_cfg, False, dq=dq)
-            out = grouped_mm_rows(x_lp, w_lp, offs, out_dtype, backend)
             dgrad_cfg = recipe.grad_input.weight
             ctx.shared = dgrad_cfg.block == "16x16" and dgrad_cfg == recipe.output.weight
             # not under a trace: compiled, the experts' weights are usually a forward-made cast
             ctx.recompute = ctx.needs_input_grad[0] and recomputes_weight(
                 weight_t, dgrad_cfg, under_trace=False
             )
+
+            def make_w(dq: bool) -> QuantizedOperand:
+                return quantize_experts(weight, w_cfg, dq=dq)
+
+            dq = not packed_weight_rule(weight)  # (gemm/grouped.py)
+            # A forward that keeps grad_input's copy along N makes both from one read
+            w_pair = None
+            if ctx.needs_input_grad[0] and not (ctx.recompute or ctx.shared):
+                w_pair = _weight_pair(weight, w_cfg, dgrad_cfg, dq, cache, stamp)
+            w_lp = w_pair[0] if w_pair else cached_weight(cache, stamp, make_w, w_cfg, False, dq=dq)
+            out = grouped_mm_rows(x_lp, w_lp, offs, out_dtype, backend)
             w_tensors: list[torch.Tensor] = []
             if ctx.recompute:
                 amax = dgrad_amax(dgrad_cfg, w_lp)
@@ -202,11 +233,14 @@ class _GroupedMM(torch.autograd.Function):
                 def make_t(dq: bool) -> QuantizedOperand:
                     return quantize_experts(weight, dgrad_cfg, transpose=True, dq=dq)
 
-                weight_for_dgrad = (
-                    TransposedExperts(w_lp)  # type: ignore[arg-type]
-                    if ctx.shared
-                    else cached_weight(cache, stamp, make_t, dgrad_cfg, True, dq=False)
-                )
+                if ctx.shared:
+                    weight_for_dgrad = TransposedExperts(w_lp)  # type: ignore[arg-type]
+                elif w_pair:
+                    weight_for_dgrad = w_pair[1]
+                else:
+                    weight_for_dgrad = cached_weight(
+                        cache, stamp, make_t, dgrad_cfg, True, dq=False
+                    )
                 w_tensors, ctx.weight_meta = save_operand(weight_for_dgrad)
             ctx.cache, ctx.stamp = cache, stamp
 

@@ -504,3 +504,19 @@ def quantize_experts(
             return grouped.mxfp8_quantize_experts(w, transpose=transpose)
         out = _kernels().mxfp8_quantize_experts(w, transpose=transpose, return_dq=dq)
     return as_operand(*out) if dq else as_operand(out)
+
+
+def quantize_experts_pair(
+    w: torch.Tensor, config: OperandConfig, config_t: OperandConfig, dq: bool = False
+) -> tuple[QuantizedOperand, QuantizedOperand] | None:
+    """Both copies of expert weights w [E, N, K] from one read, for a forward that keeps the
+    copy along N for grad_input: (along K per `config`, with its `_dq` if `dq`; along N per
+    `config_t`, packed), the bits of two `quantize_experts` calls. None where one launch cannot
+    make both: formats other than MXFP8 for both (an NVFP4 1x16 pair would share one amax
+    pass but is not wired; NVFP4 16x16 shares its one copy already), or the CPU reference."""
+    if not (config.format is Format.MXFP8 and config_t.format is Format.MXFP8):
+        return None
+    if not _library.use_kernels(w):
+        return None
+    along_k, along_n = _kernels().mxfp8_quantize_experts_pair(w, return_dq=dq)
+    return (as_operand(*along_k) if dq else as_operand(along_k)), as_operand(along_n)
