@@ -18,8 +18,9 @@ grad_weight [E, N, K]      e:     grad_output_e.T @ input_e     (2-D x 2-D, grou
 Operands and what is saved for backward follow `linear` (ops/linear.py) operand by operand:
 the input's row copy feeds the forward GEMM and its token copy (Hadamard, for grad_weight) is
 saved packed; the 16x16 expert weights serve forward and grad_input (TransposedExperts), a
-1x16 or MXFP8 recipe quantizes a second copy along N for grad_input; grad_output's two copies
-are made in the backward. The weights' grad_input operand is rebuilt in the backward from
+1x16 or MXFP8 recipe quantizes a second copy along N for grad_input (MXFP8: in the same launch
+as the forward's copy, one read of the weights, where the forward keeps it); grad_output's two
+copies are made in the backward. The weights' grad_input operand is rebuilt in the backward from
 weight_t itself, which is saved as a reference (linear's "Memory": the same bits, no packed
 copy kept, each expert scaled with the forward copy's amax), under the same conditions as
 `linear` (`recomputes_weight`) except under torch.compile: otherwise, for a stochastic weight
