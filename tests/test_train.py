@@ -294,3 +294,34 @@ def test_cuda_runs_every_recipe_under_bf16_autocast(tmp_path, compile):
             ]
             assert sqnr and all(12 < v < 40 for v in sqnr)
             assert all(r["peak_gib"] > 0 for r in rows(tmp_path / recipe, "telemetry"))
+
+
+def test_weight_cache_switch_gives_the_same_bits(tmp_path, monkeypatch):
+    # `--no-weight-cache` quantizes each weight at every use instead of once a step; the bits
+    # are the same (tests/test_weight_cache.py per op), so the losses and the saved weights of a
+    # run with two micro-batches a step are equal bit for bit, dense layers and experts alike.
+    from blockscale.train import loop
+
+    caches = {}
+    build = loop.build.build_model
+
+    def recording(cfg, device):
+        model, recipe = build(cfg, device)
+        held = [m.weight_cache for m in model.modules() if hasattr(m, "weight_cache")]
+        caches[cfg.weight_cache] = held
+        return model, recipe
+
+    monkeypatch.setattr(loop.build, "build_model", recording)
+    cfg = TrainConfig(model="moe-tiny", recipe="nvfp4", steps=3, batch_size=2, seq_len=32,
+                      grad_accum=2, eval_every=0, telemetry_every=0, log_every=1,
+                      max_data_bytes=50_000)  # fmt: skip
+    train(cfg, tmp_path / "on", progress=False)
+    train(dataclasses.replace(cfg, weight_cache=False), tmp_path / "off", progress=False)
+    assert caches[True] and all(c is not None for c in caches[True])
+    assert len(caches[False]) == len(caches[True]) and all(c is None for c in caches[False])
+    assert losses(tmp_path / "on") == losses(tmp_path / "off")
+    on, off = (load_file(p / "checkpoints" / "step_000003" / "model.safetensors")
+               for p in (tmp_path / "on", tmp_path / "off"))  # fmt: skip
+    assert on.keys() == off.keys()
+    for name in on:
+        torch.testing.assert_close(on[name], off[name], atol=0, rtol=0, msg=name)

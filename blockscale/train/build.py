@@ -134,6 +134,8 @@ def build_model(cfg: TrainConfig, device: torch.device) -> tuple[Transformer, re
     if recipe.quantized:
         policy = bsnn.layer_policy(model, bf16_tail_fraction=cfg.bf16_tail)
         bsnn.convert(model, recipe, module_filter_fn=policy)
+        if not cfg.weight_cache:
+            bsnn.set_weight_cache(model, False)
     return model, recipe
 
 

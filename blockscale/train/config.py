@@ -81,6 +81,11 @@ class TrainConfig:
     bf16_tail: float = _f(
         0.15, "fraction of the last blocks kept in BF16 (the lm head always is)", FRACTION
     )
+    weight_cache: bool = _f(
+        True,
+        "keep each converted weight's quantized copies from its first use to the next optimizer "
+        "step (the same bits; off: quantize at every use)",
+    )
     bf16_final_fraction: float = _f(
         0.0, "precision schedule: train the last fraction of steps in BF16", FRACTION
     )
@@ -178,6 +183,7 @@ RESUMABLE = frozenset(
         "device",
         "binary_data",  # lets a run read what it would refuse; reads nothing else
         "deterministic",  # the same math, summed in a fixed order
+        "weight_cache",  # the same bits, computed once a step instead of at every use
     }
 )
 
