@@ -47,6 +47,7 @@ if not torch.cuda.is_available():  # the CPU smoke test (--quick) runs Triton's 
 
 import harness  # noqa: E402
 import tiles  # noqa: E402
+from bench_quantize import graphed  # noqa: E402
 
 from blockscale.formats import grouped as G  # noqa: E402
 from blockscale.kernels import grouped as kg  # noqa: E402
@@ -65,7 +66,6 @@ QUICK = {"tiny": (200, 64, 32, 4)}
 # --dense: transformers Llama's weight shapes [N, K] (bench_model.py's llama-1b and llama-8b)
 DENSE = [(5632, 2048), (2048, 5632), (14336, 4096), (4096, 14336)]
 DENSE_QUICK = [(64, 96)]
-_NV_REST = {"col_hadamard": False, "dq_row": True, "dq_col": False}
 # tile configs tried when --kernel-tiles is not given: (BM, BK, num_warps[, maxnreg])
 DEFAULT_CONFIGS = "32,64,4;32,128,4;32,128,8;64,64,4;64,64,8;64,128,8;128,64,8;32,256,8"
 
@@ -123,7 +123,8 @@ def _dense_launches(shape: tuple, recipe: str, device: torch.device) -> list[Lau
                 f"dense {tag} 16x16+dq", "nvfp4", launch_kind(True, False, True),
                 lambda w=w, amax=amax: nv._nvfp4_quantize_2d(
                     w, amax, amax, None, None, None, row=True, col=False, row_2d=True,
-                    col_2d=False, row_sr=False, col_sr=False, **_NV_REST),
+                    col_2d=False, row_sr=False, col_sr=False, col_hadamard=False, dq_row=True,
+                    dq_col=False),
                 _nbytes(w), nv.TILES,
             ))  # fmt: skip
     return out
@@ -210,14 +211,9 @@ def _time(launch: Launch, device: torch.device, args) -> tuple[float, int]:
     outs = launch.call()
     written = _nbytes(*outs)
     del outs
-    if device.type == "cuda":
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            keep = launch.call()
-        timing = harness.time_fn(graph.replay, warmup=args.warmup, reps=args.reps, device=device)
-        del graph, keep
-    else:
-        timing = harness.time_fn(launch.call, warmup=args.warmup, reps=args.reps, device=device)
+    timing = harness.time_fn(
+        graphed(launch.call, device), warmup=args.warmup, reps=args.reps, device=device
+    )
     return timing.median_ms * 1e3, written
 
 
@@ -306,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(" | ".join(harness.fmt(row[c]) for c in
                                  ("model", "recipe", "launch", "tiles", "us", "pct_copy")),
                       flush=True)  # fmt: skip
-            torch.cuda.empty_cache() if device.type == "cuda" else None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         write()
     best = []
     for key in dict.fromkeys((r["model"], r["recipe"], r["launch"]) for r in rows):

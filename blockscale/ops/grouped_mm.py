@@ -82,7 +82,7 @@ from blockscale.ops.quantize import (
     save_operand,
 )
 from blockscale.ops.weight_cache import Stamp, WeightCache
-from blockscale.recipes import OperandConfig, Recipe, Rounding, require_recipe
+from blockscale.recipes import OperandConfig, Recipe, require_recipe
 
 
 def unsupported_reason(k: int, n: int, recipe: Recipe) -> str | None:
@@ -174,18 +174,17 @@ def _weight_pair(
     """The forward's copy along K (with its `_dq` if `dq`) and grad_input's copy along N,
     packed, from one read of the expert weights (`quantize_experts_pair`), kept in `cache` as
     `cached_weight` would keep them; None where the cache holds either already or one launch
-    cannot make both (then each copy is made on its own, as before)."""
-    if w_cfg.rounding is not Rounding.NEAREST or dgrad_cfg.rounding is not Rounding.NEAREST:
-        return None
+    cannot make both (then each copy is made on its own, as before). The pair is MXFP8 only,
+    whose rounding is always to nearest, so both copies are cacheable."""
     keys = ((w_cfg, False), (dgrad_cfg, True))
     if cache is not None and (
         cache.keep_dq or any(cache.get(stamp, key) is not None for key in keys)
     ):
         return None  # (a `keep_dq` cache keeps the copy along N with its `_dq`: made alone)
     pair = quantize_experts_pair(weight, w_cfg, dgrad_cfg, dq=dq)
-    if pair is not None and cache is not None and stamp is not None:
+    if pair is not None and cache is not None:
         for key, op in zip(keys, pair):
-            cache.put(stamp, key, op)
+            cache.put(stamp, key, op)  # (a cache is handed in with its stamp, grouped_mm)
     return pair
 
 
