@@ -354,6 +354,46 @@ def test_kernel_path_compiled_experts_equal_eager():
         assert torch.equal(compiled, eager), name
 
 
+@pytest.mark.usefixtures("kernel_path_on_cpu")
+def test_kernel_path_compiled_mxfp8_experts_make_both_weight_copies_in_one_launch(monkeypatch):
+    """What users compile: FP32 master experts under BF16 autocast, MXFP8. The traced forward
+    keeps grad_input's copy along N, so it makes both expert copies from one read
+    (ops/grouped_mm.py, `quantize_experts_pair`); eager rebuilds the copy along N in the
+    backward from the parameter. Same bits: output and both gradients. The compiled run's
+    launches are those its traces record (the compiled graph calls the op directly)."""
+    import importlib
+
+    kg = importlib.import_module("blockscale.kernels.grouped")
+    launch = kg._mxfp8_quantize_grouped_2d
+    expert_launches: list[tuple[bool, bool]] = []
+
+    def spy(x, source, row, col, dq_row, dq_col):
+        if source is None:  # the expert weights' rows (activations walk a layout)
+            expert_launches.append((row, col))
+        return launch(x, source, row, col, dq_row, dq_col)
+
+    monkeypatch.setattr(kg, "_mxfp8_quantize_grouped_2d", spy)
+    torch.manual_seed(0)
+    model = bsnn.convert(MoE(), recipes.get("mxfp8"))
+    x = torch.randn(32, DIM)
+    runs = []
+    for run in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
+        model.zero_grad(set_to_none=True)
+        expert_launches.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = run(x)
+        out.float().square().sum().backward()
+        grads = (model.experts.gate_up_proj.grad, model.experts.down_proj.grad)
+        runs.append(((out, *grads), list(expert_launches)))
+    (eager, eager_launches), (compiled, compiled_launches) = runs
+    assert eager[1].dtype == torch.float32  # FP32 masters, FP32 gradients
+    assert eager_launches == [(True, False)] * 2 + [(False, True)] * 2, eager_launches
+    # each trace of the experts (Dynamo's fake run, AOTAutograd's) makes only pairs
+    assert compiled_launches and set(compiled_launches) == {(True, True)}, compiled_launches
+    for name, e, c in zip(("output", "gate_up grad", "down grad"), eager, compiled):
+        assert torch.equal(c, e), name
+
+
 def test_blockscale_moe_model_converts():
     """models/moe.py's MoETransformer (moe-tiny: 2 blocks, 4 experts, a shared expert)."""
     torch.manual_seed(0)
