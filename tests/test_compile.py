@@ -558,6 +558,59 @@ def test_compiled_backward_rebuilds_the_weight_operand(kernel_path_on_cpu, recom
         assert weight_codes <= inputs and not weights & inputs, inputs
 
 
+def test_inductor_backward_rebuilds_the_weight_dq_instead_of_keeping_the_forwards(
+    kernel_path_on_cpu,
+):
+    """What users compile: FP32 masters under BF16 autocast, plain torch.compile (Inductor).
+    Inductor's joint-graph passes drop the detach on the saved amax, so a backward rebuild
+    that were the forward's own call again (same op, weight, amax and flags) would be merged
+    with it by the partitioner's CSE, and the compiled step would keep each weight's BF16
+    `_dq` from forward to backward: on an H200 all 98 of llama-1b's, 1.18 GiB at the peak
+    (docs/MODELS.md). The rebuild writes the `_dq` alone, a call of its own: the backward
+    quantizes each weight again, nothing of the weight's shape is saved, and the bits are
+    eager's."""
+    from torch._inductor import config as inductor_config
+
+    weight_shapes = {(128, 64), (64, 128)}
+    saved: list[tuple[torch.dtype, tuple[int, ...]]] = []
+    rebuilds: list[tuple[int, ...]] = []
+
+    def record(graph: torch.fx.Graph) -> None:  # the post-grad graphs Inductor lowers
+        names = [n.name for n in graph.nodes if n.op == "placeholder"]
+        if not any(name.startswith("tangents") for name in names):
+            return  # the forward
+        for n in graph.nodes:
+            if n.op == "call_function" and "nvfp4_quantize_2d" in str(n.target):
+                rebuilds.append(tuple(n.args[0].meta["val"].shape))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    torch.manual_seed(0)
+    # (round-to-nearest throughout: eager and compiled draw no rounding noise to compare)
+    model = bsnn.convert(MLP(), recipes.get("nvfp4", stochastic_rounding=False))
+    x = torch.randn(3, 32, 64)
+    results = []
+    with inductor_config.patch(post_grad_custom_post_pass=record):
+        for fn in (model, torch.compile(model, fullgraph=True)):
+            model.zero_grad(set_to_none=True)
+            saved.clear()
+            xi = x.clone().requires_grad_(True)
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
+                y = fn(xi)
+            y.float().square().sum().backward()
+            results.append([y, xi.grad, model.up.weight.grad, model.down.weight.grad])
+    # (the backward also quantizes the two grad_outputs, [96, 64] and [96, 128])
+    assert sorted(s for s in rebuilds if s in weight_shapes) == sorted(weight_shapes), rebuilds
+    kept = [(d, s) for d, s in saved if s in weight_shapes or s[::-1] in weight_shapes]
+    assert all(d == torch.float32 for d, _ in kept), kept  # the parameters, nothing cast
+    for name, e, c in zip(["output", "grad_input", "up.grad_weight", "down.grad_weight"],
+                          *results):  # fmt: skip
+        assert torch.equal(e, c), name
+
+
 def test_dynamic_shapes_compile_gives_eager_bits():
     """dynamic=True: token counts that are and are not a multiple of the block, each with
     eager's bits. Dynamo's own trace of the autograd.Function failed here on torch 2.13

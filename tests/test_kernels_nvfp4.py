@@ -503,3 +503,23 @@ def test_hadamard_matrix_is_the_reference():
     torch.testing.assert_close(
         hadamard_matrix(torch.device(DEV)).cpu(), hadamard.matrix(), atol=0, rtol=0
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dq_only_launch_writes_the_full_launchs_dq(dtype):
+    """`row_codes=False` (a compiled backward's rebuild of a weight's 16x16 copy for an
+    emulated GEMM, ops/linear.py): the `_dq` the full launch writes, bit for bit, and empty
+    codes and scales. 80 rows: a partial tile of the 32-row `row_dq` launch."""
+    x = (torch.randn(80, 96, generator=torch.Generator().manual_seed(0)) * 3).to(dtype).to(DEV)
+    x[5, 7] = float("nan")  # a NaN block's `_dq` as well, under a given finite amax
+    amax = x.float().nan_to_num().abs().max()
+    for block_2d in (False, True):
+        full, dq_only = (
+            nvfp4_kernels.quantize_2d(x, block_2d, False, False, False, amax, True, codes=codes)
+            for codes in (True, False)
+        )
+        assert full[2].isnan().any() and not full[2].isnan().all()
+        assert_bits(dq_only[2], full[2])
+        assert full[0].shape == (80, 48) and dq_only[0].shape == (0, 48)
+        assert full[1].shape == (80, 6) and dq_only[1].shape == (0, 6)
+        torch.testing.assert_close(dq_only[3], full[3], atol=0, rtol=0)  # the amax

@@ -149,8 +149,9 @@ class Recorder:
         monkeypatch.setattr(ops_linear, "quantize_operand", self)
         monkeypatch.setattr(ops_quantize, "quantize_operand", self)
 
-    def __call__(self, x, config, transpose=False, generator=None, dq=False, amax=None):
-        result = quantize_operand(x, config, transpose, generator, dq, amax)
+    def __call__(self, x, config, transpose=False, generator=None, dq=False, amax=None, *,
+                 codes=True):  # fmt: skip
+        result = quantize_operand(x, config, transpose, generator, dq, amax, codes=codes)
         self.calls.append((config, transpose, result))
         return result
 

@@ -7,8 +7,9 @@ This script counts the second term exactly as the GPU run would make it, on the 
 (`use_kernels` forced on: the Triton ops' fake impls give the shapes and dtypes the kernels
 write), without running a kernel:
 
-- compile: plain `torch.compile(model, fullgraph=True)` with AOTAutograd and the min-cut
-  partitioner Inductor uses (`compiler="inductor"`); the saved tensors are the forward graph's
+- compile: plain `torch.compile(model, fullgraph=True)` traced as Inductor traces it
+  (AOTAutograd with its decompositions, its joint-graph passes and min-cut partitioner:
+  `compile_fx.partition_fn`); the saved tensors are the forward graph's
   outputs past the user's, read from their fake values, and the run stops before anything
   executes. Parameters the backward takes as graph inputs are references, not counted.
 - eager: the step's forward under FakeTensorMode, with `saved_tensors_hooks` collecting the
@@ -59,7 +60,8 @@ from pathlib import Path
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor import compile_fx
+from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -100,9 +102,14 @@ def run_until_stopped(compiled, tokens: torch.Tensor) -> None:
 
 def trace_partitioned(model: torch.nn.Module, tokens: torch.Tensor, partition) -> None:
     """Compile `model` (fullgraph) with AOTAutograd and `partition` as its partition function,
-    the graphs left uncompiled; `partition` reads what it needs and raises `_Stop`."""
+    the graphs left uncompiled; `partition` reads what it needs and raises `_Stop`. With
+    Inductor's decompositions, as torch.compile traces: they turn a detach into the alias that
+    Inductor's joint-graph passes drop, which lets the partitioner's CSE merge two calls that
+    differ only by a detach (without them, a compiled backward's merge with the forward's
+    weight copy went unseen here: docs/MODELS.md, "Counted")."""
     backend = aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
-                           partition_fn=partition)  # fmt: skip
+                           partition_fn=partition,
+                           decompositions=select_decomp_table())  # fmt: skip
     torch._dynamo.reset()
     run_until_stopped(torch.compile(model, backend=backend, fullgraph=True), tokens)
 
@@ -227,9 +234,7 @@ def saved_compiled(model: torch.nn.Module, tokens: torch.Tensor) -> list[tuple[s
     saved: list = []
 
     def partition(joint, joint_inputs, **kwargs):
-        fw, bw = min_cut_rematerialization_partition(
-            joint, joint_inputs, compiler="inductor", **kwargs
-        )
+        fw, bw = compile_fx.partition_fn(joint, joint_inputs, **kwargs)
         output = next(n for n in fw.graph.nodes if n.op == "output").args[0]
         for node in output[kwargs["num_fwd_outputs"] :]:
             value = node.meta.get("val") if hasattr(node, "meta") else None

@@ -246,35 +246,38 @@ def _quantize_tile(
 @triton.jit
 def _store_quantized(
     packed, scode, dq, data_ptr, scale_ptr, dq_ptr, r0, c0, n_rows, n_cols,
-    R: tl.constexpr, C: tl.constexpr, DQ: tl.constexpr,
+    R: tl.constexpr, C: tl.constexpr, DQ: tl.constexpr, CODES: tl.constexpr = True,
 ):  # fmt: skip
     """Store one quantized [R, C] tile at (r0, c0) of an [n_rows, n_cols] logical tensor.
     (64-bit row offsets: a stack of expert weights passes 2^31 values.)"""
     rows = (r0 + tl.arange(0, R)).to(tl.int64)
     store_rows(
-        packed, scode, dq, data_ptr, scale_ptr, dq_ptr, rows, rows < n_rows, c0, n_cols, C, DQ
-    )
+        packed, scode, dq, data_ptr, scale_ptr, dq_ptr, rows, rows < n_rows, c0, n_cols, C, DQ,
+        CODES,
+    )  # fmt: skip
 
 
 @triton.jit
 def store_rows(
     packed, scode, dq, data_ptr, scale_ptr, dq_ptr, rows, rmask, c0, n_cols,
-    C: tl.constexpr, DQ: tl.constexpr,
+    C: tl.constexpr, DQ: tl.constexpr, CODES: tl.constexpr = True,
 ):  # fmt: skip
     """Store a quantized tile's rows at the row indices `rows` (where `rmask`), columns
-    c0:c0+C of an n_cols-wide tensor (the grouped kernels scatter rows this way)."""
-    half = c0 // 2 + tl.arange(0, C // 2)
-    tl.store(
-        data_ptr + rows[:, None] * (n_cols // 2) + half[None, :],
-        packed,
-        mask=rmask[:, None] & (half < n_cols // 2)[None, :],
-    )
-    sc = c0 // 16 + tl.arange(0, C // 16)
-    tl.store(
-        scale_ptr + rows[:, None] * (n_cols // 16) + sc[None, :],
-        scode,
-        mask=rmask[:, None] & (sc < n_cols // 16)[None, :],
-    )
+    c0:c0+C of an n_cols-wide tensor (the grouped kernels scatter rows this way). CODES
+    False: the `_dq` only (its caller reads nothing else)."""
+    if CODES:
+        half = c0 // 2 + tl.arange(0, C // 2)
+        tl.store(
+            data_ptr + rows[:, None] * (n_cols // 2) + half[None, :],
+            packed,
+            mask=rmask[:, None] & (half < n_cols // 2)[None, :],
+        )
+        sc = c0 // 16 + tl.arange(0, C // 16)
+        tl.store(
+            scale_ptr + rows[:, None] * (n_cols // 16) + sc[None, :],
+            scode,
+            mask=rmask[:, None] & (sc < n_cols // 16)[None, :],
+        )
     if DQ:
         cols = c0 + tl.arange(0, C)
         tl.store(
@@ -318,6 +321,7 @@ def _nvfp4_quantize_kernel(
     ROW_SR: tl.constexpr, COL_SR: tl.constexpr, COL_HAD: tl.constexpr,
     RAND_GIVEN: tl.constexpr, DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr,
     band, DOT_F32: tl.constexpr, HW: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    ROW_CODES: tl.constexpr = True,
 ):  # fmt: skip
     tile_m, tile_k = band_tile(band)
     m0 = tile_m * BM
@@ -335,8 +339,9 @@ def _nvfp4_quantize_kernel(
             x.to(tl.float32), s_dec, mult, u, BM, BK, ROW_2D, ROW_SR, DQ_ROW, HW
         )
         _store_quantized(
-            packed, scode, dq, data_ptr, scale_ptr, dq_ptr, m0, k0, M, K, BM, BK, DQ_ROW
-        )
+            packed, scode, dq, data_ptr, scale_ptr, dq_ptr, m0, k0, M, K, BM, BK, DQ_ROW,
+            ROW_CODES,
+        )  # fmt: skip
     if COL:
         s_dec_t, mult_t = nvfp4_global(tl.load(amax_col_ptr))
         # counters past the rowwise ones (columnwise_base), so the copies draw different bits
@@ -450,9 +455,9 @@ TILES = {
 }
 
 
-def _empty_like_spec(rows: int, cols: int, device, dq: bool):
-    data = torch.empty(rows, cols // 2, dtype=torch.uint8, device=device)
-    scale = torch.empty(rows, cols // BLOCK, dtype=torch.uint8, device=device)
+def _empty_like_spec(rows: int, cols: int, device, dq: bool, codes: bool = True):
+    data = torch.empty(rows if codes else 0, cols // 2, dtype=torch.uint8, device=device)
+    scale = torch.empty(rows if codes else 0, cols // BLOCK, dtype=torch.uint8, device=device)
     dq_t = torch.empty(rows if dq else 0, cols if dq else 0, dtype=torch.bfloat16, device=device)
     return data, scale, dq_t
 
@@ -474,15 +479,21 @@ def _nvfp4_quantize_2d(
     col_hadamard: bool,
     dq_row: bool,
     dq_col: bool,
+    row_codes: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] -> rowwise (data [M, K/2], scale [M, K/16], dq [M, K]) and columnwise
     (data_t [K, M/2], scale_t [K, M/16], dq_t [K, M]) outputs; unused ones (and a `_dq` not
-    asked for) are empty. Scales are raw E4M3 bytes (uint8). amax_* are FP32 device scalars."""
+    asked for) are empty. Scales are raw E4M3 bytes (uint8). amax_* are FP32 device scalars.
+    `row_codes=False` with `dq_row`: the rowwise copy's `_dq` only, its codes and scales
+    empty ([0, K/2], [0, K/16]): for a caller that feeds an emulated GEMM and keeps nothing.
+    It is also a call a compiled graph cannot merge with the same copy's full call (a
+    compiled backward's rebuild of the forward's weight copy: ops/linear.py, "Memory")."""
     M, K = x.shape
     dev = x.device
     dq_row, dq_col = dq_row and row, dq_col and col
+    row_codes = row_codes or not dq_row
     if row:
-        data, scale, dq_r = _empty_like_spec(M, K, dev, dq_row)
+        data, scale, dq_r = _empty_like_spec(M, K, dev, dq_row, codes=row_codes)
     else:
         data, scale, dq_r = _empty_like_spec(0, 0, dev, False)
     if col:
@@ -506,7 +517,7 @@ def _nvfp4_quantize_2d(
         ROW=row, COL=col, ROW_2D=row_2d, COL_2D=col_2d, ROW_SR=row_sr, COL_SR=col_sr,
         COL_HAD=col_hadamard, RAND_GIVEN=rand_given, DQ_ROW=dq_row, DQ_COL=dq_col,
         band=band, DOT_F32=dot_in_fp32(x), HW=not interpreting(),
-        BM=bm, BK=bk, **options,
+        BM=bm, BK=bk, ROW_CODES=row_codes, **options,
     )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c
 
@@ -654,11 +665,14 @@ def quantize_2d(
     dq: bool,
     generator: torch.Generator | None = None,
     rand: torch.Tensor | None = None,
+    codes: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """The launch of `nvfp4_quantize`, for it and for callers that checked their arguments
     (ops/quantize.py: the blocks fit, options from a validated OperandConfig), which then
     skip its checks and containers. Returns (data, scale bytes, dq or an empty tensor, amax
-    as an FP32 scalar). `rand`: `nvfp4_quantize`'s, as FP32 [rows, cols] of the copy."""
+    as an FP32 scalar). `rand`: `nvfp4_quantize`'s, as FP32 [rows, cols] of the copy.
+    `codes=False` with `dq`: a rowwise copy's `_dq` alone (`_nvfp4_quantize_2d`'s
+    `row_codes`); a columnwise one is written whole."""
     # The kernel applies the Hadamard transform only on its columnwise path, so a rowwise
     # Hadamard copy is the columnwise copy of x's transpose view.
     src, col = (x2.t(), True) if (hadamard and not transpose) else (x2, transpose)
@@ -670,7 +684,7 @@ def quantize_2d(
     out = _nvfp4_quantize_2d(
         src, amax, amax, seed, None if col else rand, rand if col else None,
         row=not col, col=col, row_2d=block_2d, col_2d=block_2d, row_sr=sr, col_sr=sr,
-        col_hadamard=hadamard, dq_row=dq, dq_col=dq,
+        col_hadamard=hadamard, dq_row=dq, dq_col=dq, row_codes=codes,
     )  # fmt: skip
     data, scale, dq_t = out[3:] if col else out[:3]
     return data, scale, dq_t, _no_grad(amax)

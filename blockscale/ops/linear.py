@@ -37,7 +37,12 @@ say: saving it would keep it alive, at 2 bytes per value or more). `RECOMPUTE_WE
 saves the packed copy always. Beside the weight, which both keep, an NVFP4 layer saves about a
 quarter of what a BF16 layer saves (BF16's input). Compiled, AOTAutograd's partitioner picks
 what the backward graph keeps: with the weight a graph input, it takes the weight and
-quantizes it again there (tests/test_compile.py). With a `weight_cache`
+quantizes it again there (tests/test_compile.py). For that the rebuild must not be the
+forward's call again: Inductor drops the detach on the saved amax, and the partitioner's CSE
+then merged the two equal calls, so the backward read the forward's BF16 `_dq`, held from
+forward to backward (1.18 GiB at the llama-1b shape, 2.8 GiB at llama-8b's; docs/MODELS.md).
+On the emulated backend the rebuild writes the `_dq` alone (`quantize_operand`'s
+`codes=False`): all the GEMM reads, and a call of its own. With a `weight_cache`
 (ops/weight_cache.py; every `blockscale.nn.Linear` has one) the forward's copy and dgrad's are
 made once per optimizer step and taken from the cache by later forwards and backwards, with
 the same bits; the cache holds the packed copies (0.56 bytes a value for NVFP4) until the next
@@ -188,15 +193,17 @@ def weight_operand(
     transpose: bool = False,
     dq: bool = False,
     amax: torch.Tensor | None = None,
+    codes: bool = True,
 ) -> QuantizedOperand:
-    """The weight quantized per `config` (NVFP4 with `amax`, if given). A weight that arrives
-    already quantized (one that blockscale.distributed all-gathered as NVFP4/MXFP8, or NVFP4
-    primary weights) has a `quantized_copy` method and hands over the copy it holds instead."""
+    """The weight quantized per `config` (NVFP4 with `amax`, if given; `codes`: as
+    `quantize_operand`'s). A weight that arrives already quantized (one that
+    blockscale.distributed all-gathered as NVFP4/MXFP8, or NVFP4 primary weights) has a
+    `quantized_copy` method and hands over the copy it holds instead."""
     if holds_quantized_copies(weight):
         return weight.quantized_copy(config, transpose)  # type: ignore[attr-defined]
     if config.format is not Format.NVFP4:
         amax = None
-    return quantize_operand(weight, config, transpose=transpose, dq=dq, amax=amax)
+    return quantize_operand(weight, config, transpose=transpose, dq=dq, amax=amax, codes=codes)
 
 
 def holds_quantized_copies(weight: torch.Tensor) -> bool:
@@ -276,16 +283,23 @@ def _dgrad_weight(
     amax: torch.Tensor | None,
     cache: WeightCache | None = None,
     stamp: Stamp | None = None,
+    dq_only: bool = False,
 ) -> Operand:
     """dgrad's weight operand rebuilt in the backward, with its `_dq` (it feeds the GEMM now):
     the 16x16 forward copy again, transposed, when `shared`, else the copy along N. `amax`:
     the forward's (the same bits as the forward's copy), None where the format has none.
-    With a `cache`, the copy the forward's `stamp` left there, or a new one kept there."""
+    With a `cache`, the copy the forward's `stamp` left there, or a new one kept there.
+    `dq_only` (an emulated GEMM, which reads only the `_dq`): without a cache, the 16x16 copy
+    is rebuilt without its codes (`quantize_operand`'s `codes=False`). That also keeps it
+    from being the forward's call again: a compiled graph merges two equal calls, and the
+    backward then holds the forward's `_dq` from forward to backward (module docstring,
+    "Memory")."""
     if shared:
         config = recipe.output.weight
+        codes = not dq_only or cache is not None
 
         def make(dq: bool) -> QuantizedOperand:
-            return weight_operand(weight, config, dq=dq, amax=amax)
+            return weight_operand(weight, config, dq=dq, amax=amax, codes=codes)
 
         w_lp = cached_weight(cache, stamp, make, config, False, dq=True, renew=False)
         return Transposed(w_lp)  # type: ignore[arg-type]
@@ -532,7 +546,10 @@ class _Linear(torch.autograd.Function):
                 if ctx.recompute:
                     weight, *amax = saved[:n]
                     amax = amax[0] if amax else None
-                    weight_t = _dgrad_weight(weight, recipe, ctx.shared, amax, ctx.cache, ctx.stamp)
+                    weight_t = _dgrad_weight(
+                        weight, recipe, ctx.shared, amax, ctx.cache, ctx.stamp,
+                        dq_only=ctx.backend is Backend.EMULATED,
+                    )  # fmt: skip
                 else:
                     weight_t = cached_dgrad_weight(ctx.cache, ctx.stamp, recipe, ctx.shared)
                     if weight_t is None:

@@ -171,13 +171,14 @@ def _quantize_nvfp4(
     generator: torch.Generator | None,
     dq: bool,
     amax: torch.Tensor | None,
+    codes: bool = True,
 ) -> NVFP4Tensor:
     options = dict(_nvfp4_options(config), hadamard=config.hadamard, transpose=transpose)
     if _library.use_kernels(x):
         if x.dim() == 2 and x.dtype in FLOAT_DTYPES and _blocks_fit(x, config, transpose):
             data, scale, dq_t, amax = _kernels().quantize_2d(
                 x, config.block == "16x16", config.rounding is Rounding.STOCHASTIC,
-                config.hadamard, transpose, amax, dq, generator,
+                config.hadamard, transpose, amax, dq, generator, codes=codes,
             )  # fmt: skip
             shape = torch.Size((x.shape[1], x.shape[0])) if transpose else x.shape
             e4m3 = torch.float8_e4m3fn
@@ -202,6 +203,8 @@ def quantize_operand(
     generator: torch.Generator | None = None,
     dq: bool = False,
     amax: torch.Tensor | None = None,
+    *,
+    codes: bool = True,
 ) -> QuantizedOperand:
     """Quantize `x` per `config` along its last dim (its first, flattened, with transpose=True).
 
@@ -211,6 +214,10 @@ def quantize_operand(
     `amax` (NVFP4 only): the tensor amax to scale with instead of the copy's own, e.g. the
     whole tensor's when x is a shard of it (`operand_amax` gives a copy's own, so a shard's
     can be reduced over ranks first); an FP32 tensor of one value. None: the copy's own.
+    `codes=False` (with dq=True): the caller reads only the `_dq` and keeps nothing (an
+    emulated GEMM's operand), so where a kernel writes a rowwise NVFP4 copy of a 2-D tensor it
+    writes the `_dq` alone, and the result's `data` and `scale` are empty; elsewhere (other
+    formats, a copy along the first dim, the reference path) they are written as usual.
 
     >>> x = torch.randn(4, 32)
     >>> q = bs.ops.quantize_operand(x, bs.recipes.OperandConfig("nvfp4"))
@@ -225,7 +232,7 @@ def quantize_operand(
             "amax (MXFP8 scales are per block, BF16 is not quantized)"
         )
     if config.format is Format.NVFP4:
-        return _quantize_nvfp4(x, config, transpose, generator, dq, amax)
+        return _quantize_nvfp4(x, config, transpose, generator, dq, amax, codes)
     if config.format is Format.MXFP8:
         return _quantize_mxfp8(x, transpose, dq)
     if transpose:
