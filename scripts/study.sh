@@ -24,7 +24,8 @@
 #
 # Environment: PYTHON (python3), STEPS (6104: 6104 x 32 x 1024 = 200.0M tokens per run),
 # BATCH (32), LR (1e-3), MAX_MINUTES (8.5), COMPILE (1), SEED (0), MODEL (small; tiny checks
-# the script itself on a CPU), SEQ_LEN (1024; tiny's CPU check uses less).
+# the script itself on a CPU), SEQ_LEN (1024; tiny's CPU check uses less), EXTRA (more train
+# flags for every run, e.g. "--deterministic --no-weight-cache").
 # Two GPUs: CUDA_VISIBLE_DEVICES=0 scripts/study.sh run DATA OUT bf16 &
 #           CUDA_VISIBLE_DEVICES=1 scripts/study.sh run DATA OUT nvfp4 & wait
 set -euo pipefail
@@ -95,6 +96,8 @@ STUDY=(--steps "${STEPS:-6104}" --batch-size "${BATCH:-32}" --seq-len "${SEQ_LEN
        --eval-tokens 1048576 --telemetry-every 500 --ckpt-every 1000 --keep-checkpoints 1
        --max-minutes "${MAX_MINUTES:-8.5}")
 [ "${COMPILE:-1}" = 1 ] && STUDY+=(--compile)
+read -r -a extra <<< "${EXTRA:-}"
+STUDY+=("${extra[@]}")
 
 case "$mode" in
 start)
