@@ -3,7 +3,8 @@
 # study": scripts/study.sh's settings, MODEL=moe-small COMPILE=0 STEPS=3052, seed 0) each run
 # twice, with the weight cache (the default) and with --no-weight-cache, all --deterministic, on
 # a 2-GPU machine: nvfp4's two runs side by side on GPU 0, mxfp8's on GPU 1. Then whether each
-# pair's training losses, held-out losses and final weights are equal bit for bit.
+# pair's training losses, held-out losses and final weights are equal bit for bit. PAIRS
+# ("nvfp4:0 mxfp8:1", recipe:GPU) picks the recipes and their GPU: "nvfp4:0" on one GPU.
 #
 #   DATA=dir RUNS=dir bash scripts/weight_cache_study.sh run       start, or continue from the
 #       checkpoints: each run stops cleanly after MAX_MINUTES (8.3) with exit status 3; run again
@@ -16,8 +17,8 @@ case "${1:-}" in
 run)
     DATA=${DATA:?DATA: the text corpus folder}
     pids=()
-    for pair in "nvfp4 0" "mxfp8 1"; do
-        read -r recipe gpu <<< "$pair"
+    for pair in ${PAIRS:-nvfp4:0 mxfp8:1}; do
+        recipe=${pair%%:*} gpu=${pair##*:}
         for cache in weight-cache no-weight-cache; do
             mkdir -p "$RUNS/$cache"
             CUDA_VISIBLE_DEVICES=$gpu MODEL=${MODEL:-moe-small} COMPILE=0 STEPS=${STEPS:-3052} \
@@ -46,6 +47,8 @@ runs, out = Path(sys.argv[1]), Path(sys.argv[2])
 result = {}
 for recipe in ("nvfp4", "mxfp8"):
     dirs = {c: runs / c / recipe for c in ("weight-cache", "no-weight-cache")}
+    if not all(d.is_dir() for d in dirs.values()):
+        continue
     rows = {c: read_metrics(d) for c, d in dirs.items()}
     train = {c: [(r["step"], r["loss"]) for r in m if r["kind"] == "train"] for c, m in rows.items()}
     evals = {c: [(r["step"], r["val_loss"]) for r in m if r["kind"] == "eval"] for c, m in rows.items()}
