@@ -184,6 +184,23 @@ def test_kernel_specialization_does_not_follow_the_row_count(monkeypatch):
         assert launches[:half] == launches[half:], (name, launches)
 
 
+@pytest.mark.parametrize("n", [48, 64])
+def test_kernel_expert_weights_equal_formats_whether_or_not_tiles_cross_experts(n):
+    """The per-group kernel computes a tile's global scale once when all its rows are one
+    expert's (N a multiple of the tile's rows, 64) and per row otherwise (48: a 32-row tile
+    crosses experts). Both, bit for bit, with each expert's amax far from the others'."""
+    kg = _library.kernels()
+    w = torch.randn(3, n, 64, generator=torch.Generator().manual_seed(n))
+    w = w * torch.tensor([1.0, 300.0, 1e-3]).view(3, 1, 1)
+    for block in ("16x16", "1x16"):
+        q, dq = kg.nvfp4_quantize_experts(w, block, return_dq=True)
+        ref = G.nvfp4_quantize_experts(w, block)
+        torch.testing.assert_close(q.data, ref.data, atol=0, rtol=0)
+        torch.testing.assert_close(q.scale.view(torch.uint8), ref.scale.view(torch.uint8),
+                                   atol=0, rtol=0)  # fmt: skip
+        torch.testing.assert_close(dq, ref.dq(), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("hadamard", [False, True], ids=["plain", "hadamard"])
 def test_kernel_quantizations_equal_formats(hadamard):
     """Both copies of a grouped activation and the expert weights, bit for bit."""
