@@ -42,7 +42,9 @@ forward's call again: Inductor drops the detach on the saved amax, and the parti
 then merged the two equal calls, so the backward read the forward's BF16 `_dq`, held from
 forward to backward (1.18 GiB at the llama-1b shape, 2.8 GiB at llama-8b's; docs/MODELS.md).
 On the emulated backend the rebuild writes the `_dq` alone (`quantize_operand`'s
-`codes=False`): all the GEMM reads, and a call of its own. With a `weight_cache`
+`codes=False`): all the GEMM reads, and a call of its own. (The native backend, unverified
+on hardware, reads the codes, so its rebuild is still the forward's call: a compiled graph
+keeps the forward's copy there.) With a `weight_cache`
 (ops/weight_cache.py; every `blockscale.nn.Linear` has one) the forward's copy and dgrad's are
 made once per optimizer step and taken from the cache by later forwards and backwards, with
 the same bits; the cache holds the packed copies (0.56 bytes a value for NVFP4) until the next
