@@ -29,7 +29,10 @@ run)
         done
     done
     status=0
-    for pid in "${pids[@]}"; do wait "$pid" || status=$((status > $? ? status : $?)); done
+    for pid in "${pids[@]}"; do
+        wait "$pid"; s=$?
+        [ "$s" -gt "$status" ] && status=$s
+    done
     for log in "$RUNS"/*/*.log; do echo "$log: $(tail -n 1 "$log")"; done
     exit "$status" ;;
 compare)
@@ -41,6 +44,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from blockscale.train.checkpoint import checkpoint_dirs
 from blockscale.train.loop import read_metrics
 
 runs, out = Path(sys.argv[1]), Path(sys.argv[2])
@@ -54,7 +58,7 @@ for recipe in ("nvfp4", "mxfp8"):
     evals = {c: [(r["step"], r["val_loss"]) for r in m if r["kind"] == "eval"] for c, m in rows.items()}
     weights = {}
     for c, d in dirs.items():
-        last = max((d / "checkpoints").iterdir(), key=lambda p: int(p.name.split("_")[-1]))
+        last = checkpoint_dirs(d)[-1]  # the latest complete one
         weights[c] = (last.name, load_file(str(last / "model.safetensors")))
     (a_step, a), (b_step, b) = weights.values()
     result[recipe] = {
