@@ -533,7 +533,74 @@ def test_transformers_fallback_op_is_routed_with_the_input_cast():
     x = x.bfloat16()
     by_hand = expert_mlp_by_hand(x.float(), offs, experts.gate_up_proj, experts.down_proj)
     assert torch.equal(experts(x, offs), by_hand)
-    assert seen == [torch.float32, torch.float32]
+    # The BF16 input reaches the quantized GEMM uncast (the same values: "Widened inputs");
+    # the second call's input is an FP32 product and goes as it is.
+    assert seen == [torch.bfloat16, torch.float32]
+
+
+class WideningExperts(Experts):
+    """transformers' call with FP32 masters: each activation cast to the weight's dtype."""
+
+    def forward(self, x_sorted, offs):
+        gate_up_t = self.gate_up_proj.transpose(-2, -1)
+        down_t = self.down_proj.transpose(-2, -1)
+        h = F.grouped_mm(x_sorted.to(gate_up_t.dtype), gate_up_t, offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        return F.grouped_mm((F.silu(gate) * up).to(down_t.dtype), down_t, offs=offs)
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [RECIPE, recipes.get("nvfp4"), recipes.get("mxfp8"), recipes.get("nvfp4_fwd_mxfp8_bwd")],
+    ids=["nvfp4-rtn", "nvfp4", "mxfp8", "nvfp4_fwd_mxfp8_bwd"],
+)
+def test_widened_activations_are_quantized_from_bf16_with_the_fp32_calls_bits(recipe):
+    """FP32 masters under BF16 autocast, activations cast to FP32 before each grouped_mm (as
+    transformers' experts do): the converted experts quantize the BF16 activations themselves,
+    and the output, the input's gradient and the weights' gradients equal, bit for bit,
+    blockscale.grouped_mm called on the FP32 casts (stochastic rounding included: the same
+    values draw the same noise)."""
+    torch.manual_seed(0)
+    experts = WideningExperts()
+    reference = copy.deepcopy(experts)
+    bsnn.convert(experts, recipe)
+    seen = []
+    for g in experts.grouped_mms.values():
+        g.register_forward_hook(lambda m, args, out: seen.append(args[0].dtype))
+    x, offs = sorted_tokens()
+    x = x.bfloat16()
+    results = []
+    for model, by_hand in ((experts, False), (reference, True)):
+        torch.manual_seed(1)
+        xin = x.clone().requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16):
+            if by_hand:
+                wide = xin.to(torch.float32)
+                out = expert_mlp_widened(wide, offs, model.gate_up_proj, model.down_proj, recipe)
+            else:
+                out = model(xin, offs)
+        out.backward(torch.ones_like(out))
+        results.append((out, xin.grad, model.gate_up_proj.grad, model.down_proj.grad))
+    assert seen == [torch.bfloat16, torch.bfloat16]
+    assert results[0][0].dtype == torch.bfloat16 and results[0][1].dtype == torch.bfloat16
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.usefixtures("kernel_path_on_cpu")
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8"])
+def test_kernel_path_widened_activations_keep_the_fp32_calls_bits(name):
+    """The same on the Triton kernels (interpreter), where the quantize kernels read the BF16
+    activation instead of the FP32 one."""
+    test_widened_activations_are_quantized_from_bf16_with_the_fp32_calls_bits(recipes.get(name))
+
+
+def expert_mlp_widened(x32, offs, gate_up_proj, down_proj, recipe):
+    """The FP32 calls the widening experts make, by hand."""
+    h = bs.grouped_mm(x32, gate_up_proj.transpose(-2, -1), offs, recipe)
+    gate, up = h.chunk(2, dim=-1)
+    act = (F.silu(gate) * up).to(torch.float32)
+    return bs.grouped_mm(act, down_proj.transpose(-2, -1), offs, recipe)
 
 
 @pytest.mark.parametrize("kind", HF_KINDS)

@@ -67,6 +67,17 @@ cast to the weight's dtype (some releases pass it uncast, BF16 under autocast). 
 cannot run `torch._grouped_mm` either, whose fake impl accepts only BF16: `GroupedMM` then runs
 `_high_precision_grouped_mm`, one opaque op around eager's `torch._grouped_mm` calls.
 
+Widened inputs. With FP32 master weights under BF16 autocast, transformers' experts cast their
+BF16 activations to FP32 (the weight's dtype) before each grouped_mm, and the fallback op is
+routed with that cast (above). A quantized GroupedMM gets the BF16 activation instead: the
+router remembers, within one experts forward, each FP32 cast of a BF16 2-D tensor, and hands the
+grouped GEMM the tensor it was cast from, with the output dtype the FP32 call would have had.
+The values are the same, so the quantized copies and every result are the same bits
+(tests/test_convert_experts.py compares forward and gradients with the FP32 call); what goes
+is the FP32 copy (a compiled step stored it, 4 bytes a value, for the quantize kernels to read)
+and an FP32 grad_input that the cast's backward then rounded to BF16. At the Mixtral-like shape
+that was 1.75 GiB each way for the down projection's input.
+
 Eager costs one Python `__torch_function__` call per torch op inside the experts forward,
 microseconds against the GEMMs. A whole-module `torch.save(model)` cannot pickle the generated
 class (save the state_dict, which is unchanged). A converted weight that no grouped_mm consumed
@@ -125,6 +136,10 @@ _LAYOUT_AND_DTYPE_OPS = frozenset(
         torch.Tensor.mT.__get__,
     }
 )
+
+# Casts whose result, from a BF16 tensor, holds the same values in FP32: transformers' experts
+# widen their BF16 activations (autocast's) to the FP32 master weights' dtype before grouped_mm.
+_CASTS = frozenset({torch.Tensor.to, torch.Tensor.float, torch.Tensor.type})
 
 # transformers' own grouped GEMM op, (input [M, K], weight [E, K, N], offs) -> [M, N], a loop of
 # torch.mm: its experts call it instead of grouped_mm for non-BF16 weights under torch.compile.
@@ -419,6 +434,20 @@ def _fallback_args(func: Any, args: tuple, kwargs: dict) -> tuple[Any, ...]:
     return input, weight, offs, bias, None
 
 
+def _bf16_to_fp32(narrow: torch.dtype, wide: torch.dtype) -> bool:
+    return narrow == torch.bfloat16 and wide == torch.float32
+
+
+def _widens(source: Any, out: torch.Tensor) -> bool:
+    """Whether `out` is `source`, a BF16 activation, cast to FP32 (the same values)."""
+    return (
+        isinstance(source, torch.Tensor)
+        and _bf16_to_fp32(source.dtype, out.dtype)
+        and source.shape == out.shape
+        and source.device == out.device
+    )
+
+
 def _is_transformers_fallback(func: Any) -> bool:
     """Whether `func` is transformers' `transformers::grouped_mm_fallback` op (the packet or an
     overload), which its experts call instead of grouped_mm where they judge grouped_mm
@@ -444,6 +473,8 @@ class _GroupedMMRouter(TorchFunctionMode):
             param = getattr(module, name)
             self._track(param, name, param)
         self.routed: set[str] = set()
+        # id -> (weak reference to an FP32 cast of a BF16 activation, that activation)
+        self.widened: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 
     def _track(self, tensor: torch.Tensor, name: str, param: torch.Tensor | None) -> None:
         self.sources[id(tensor)] = (name, weakref.ref(tensor), param)
@@ -466,7 +497,14 @@ class _GroupedMMRouter(TorchFunctionMode):
             if source is not None:
                 name, param = source
                 self._track(out, name, param if func in _LAYOUT_AND_DTYPE_OPS else None)
+        elif func in _CASTS and isinstance(out, torch.Tensor) and _widens(args[0], out):
+            self.widened[id(out)] = (weakref.ref(out), args[0])
         return out
+
+    def _narrow(self, input: torch.Tensor) -> torch.Tensor | None:
+        """The BF16 activation `input` was widened from in this forward, or None."""
+        entry = self.widened.get(id(input))
+        return entry[1] if entry is not None and entry[0]() is input else None
 
     def _grouped_mm(
         self, func: Any, args: tuple, kwargs: dict, fallback: bool = False
@@ -479,7 +517,21 @@ class _GroupedMMRouter(TorchFunctionMode):
         if source is None:
             return func(*args, **kwargs)
         name, param = source
-        if fallback:
+        gmm = self.grouped_mms[name]
+        narrow = None
+        if gmm.quantize_enabled and gmm.recipe.quantized and input.dim() == 2:
+            # Quantize the BF16 activation rather than its FP32 cast (module docstring,
+            # "Widened inputs"): the same values, so the same bits, in half the bytes.
+            narrow = self._narrow(input)
+            if narrow is None and fallback and _bf16_to_fp32(input.dtype, weight_t.dtype):
+                narrow = input  # the fallback op's uncast input, which it would cast
+        if narrow is not None:
+            if out_dtype is None:  # what the FP32 call would have returned
+                device = input.device.type
+                autocast = torch.is_autocast_enabled(device)
+                out_dtype = torch.get_autocast_dtype(device) if autocast else torch.float32
+            input = narrow
+        elif fallback:
             # as transformers' grouped_mm path casts it (some releases call the fallback op
             # on the input uncast), so a compiled step makes eager's call
             input = input.to(weight_t.dtype)
