@@ -512,8 +512,9 @@ def test_transformers_fallback_op_is_routed_with_the_input_cast():
     """transformers' experts call their own op `transformers::grouped_mm_fallback` instead of
     grouped_mm under torch.compile for non-BF16 weights, and some releases pass it the input
     uncast (BF16 under autocast, with FP32 masters). Called eagerly here, through the op packet
-    and an overload: the router sends it to GroupedMM as transformers' grouped_mm path would
-    make the call, the input cast to the weight's dtype."""
+    and an overload: the router sends it to GroupedMM with the bits transformers' grouped_mm
+    path would give, which casts the input to the weight's dtype (a quantized GroupedMM takes
+    the BF16 input itself, the same values: nn/experts.py, "Widened inputs")."""
     pytest.importorskip("transformers")
     import transformers.integrations.moe  # noqa: F401 (registers the op)
 
