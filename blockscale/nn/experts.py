@@ -502,8 +502,9 @@ class _GroupedMMRouter(TorchFunctionMode):
         return out
 
     def _narrow(self, input: torch.Tensor) -> torch.Tensor | None:
-        """The BF16 activation `input` was widened from in this forward, or None."""
-        entry = self.widened.get(id(input))
+        """The BF16 activation `input` was widened from in this forward, or None. Let go of
+        once taken, so the router keeps no activation alive past its grouped GEMM."""
+        entry = self.widened.pop(id(input), None)
         return entry[1] if entry is not None and entry[0]() is input else None
 
     def _grouped_mm(
