@@ -37,6 +37,11 @@ returns kept). A full Inductor compile on the CPU (gcc builds the forward's kern
 kernels) count their outputs only, not what they allocate inside. Under both options the
 GEMM operands are BF16, as on CUDA (the CPU path widens them to FP32).
 
+`--peak-live N` (with `--inductor-peak`): also the N largest buffers live at each graph's planned
+peak, with dtype, shape and the ops they came from (a graph input, e.g. a saved tensor, by name
+only): how the Mixtral-like experts' FP32 activations were found (docs/MODELS.md, "Widened
+inputs").
+
 `--quantized-weights` adds a compiled nvfp4 row whose linears hold `QuantizedWeight`s (as under
 FSDP2's quantized all-gather): it should save what the plain-weight row saves.
 
@@ -185,9 +190,33 @@ def _cuda_operand_dtypes():
         gemm_dispatch.resolve_backend = resolve
 
 
-def inductor_peaks(model: torch.nn.Module, tokens: torch.Tensor) -> dict[str, int]:
+def _buffer_row(info) -> dict:
+    """One buffer live at a planned peak: its name, size, dtype, shape and the ops it came
+    from (an input of the graph, such as a saved tensor, has no dtype or ops here)."""
+    buffer = info.buffer
+    node = getattr(buffer, "node", None)
+    try:
+        layout = node.get_layout() if node is not None else None
+    except (AttributeError, NotImplementedError):
+        layout = None
+    defining = getattr(buffer, "defining_op", None)
+    origins = getattr(getattr(defining, "node", None), "origins", None) or ()
+    return {
+        "name": buffer.get_name() if hasattr(buffer, "get_name") else buffer.name,
+        "gib": info.size_alloc / 2**30,
+        "dtype": str(layout.dtype) if layout is not None else None,
+        "shape": [int(d) for d in layout.size] if layout is not None else None,
+        "ops": sorted({str(o.target) for o in origins}),
+    }
+
+
+def inductor_peaks(
+    model: torch.nn.Module, tokens: torch.Tensor, live: int = 0
+) -> dict[str, int | list]:
     """{"fw": bytes, "bw": bytes}: each compiled graph's peak as Inductor's scheduler plans it
-    (module docstring, `--inductor-peak`); inputs named primals_* (the parameters) left out."""
+    (module docstring, `--inductor-peak`); inputs named primals_* (the parameters) left out.
+    `live` > 0: also "fw_live" and "bw_live", the `live` largest buffers live at each peak
+    (`--peak-live`)."""
     import torch._inductor.config as inductor_config  # noqa: PLC0415
     import torch._inductor.memory as memory  # noqa: PLC0415
 
@@ -202,15 +231,25 @@ def inductor_peaks(model: torch.nn.Module, tokens: torch.Tensor) -> dict[str, in
         )
         infos, _, _ = memory.compute_memory_timeline(order, freeable, graph_outputs)
         delta = [0] * (len(order) + 2)
+        counted = []
         for info in infos:
             buffer = info.buffer
             if isinstance(buffer, memory.FreeableInputBuffer) and buffer.name.startswith("primals"):
                 continue  # a parameter: held for the whole step, in every recipe
+            counted.append(info)
             delta[info.start_step] += info.size_alloc
             if info.end_step != -1:
                 delta[info.end_step + 1] -= info.size_free
-        live = list(itertools.accumulate(delta))
-        peaks["bw" if "fw" in peaks else "fw"] = max(live)
+        by_step = list(itertools.accumulate(delta))
+        graph = "bw" if "fw" in peaks else "fw"
+        at = max(range(len(by_step)), key=by_step.__getitem__)
+        peaks[graph] = by_step[at]
+        if live:
+            held = [
+                i for i in counted if i.start_step <= at and (i.end_step == -1 or i.end_step >= at)
+            ]
+            held.sort(key=lambda i: -i.size_alloc)
+            peaks[f"{graph}_live"] = [_buffer_row(i) for i in held[:live]]
         if "bw" in peaks:
             raise _Stop  # before the backward's code is generated
         return order
@@ -328,6 +367,9 @@ def main() -> None:
     parser.add_argument("--inductor-peak", action="store_true",
                         help="compile mode: also each compiled graph's peak as Inductor plans "
                         "it (fw_peak_gib, bw_peak_gib; module docstring)")  # fmt: skip
+    parser.add_argument("--peak-live", type=int, default=0, metavar="N",
+                        help="with --inductor-peak: also the N largest buffers live at each "
+                        "graph's peak (fw_peak_live, bw_peak_live), printed and in the JSON")  # fmt: skip
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     _library.use_kernels = lambda t: True  # the kernel path's ops, as on CUDA
@@ -364,13 +406,17 @@ def main() -> None:
                     saved = (saved_compiled if mode == "compile" else saved_eager)(model, tokens)
                     peaks = {}
                     if args.inductor_peak and mode == "compile":
-                        peaks = inductor_peaks(model, tokens)
+                        peaks = inductor_peaks(model, tokens, args.peak_live)
                 row = {"model": name, "mode": mode, "recipe": recipe, "batch": batch,
                        "seq_len": args.seq_len, "params_m": n_params / 1e6,
                        "param_state_gib": n_params * PARAM_STATE_BYTES / 2**30,
                        **summarize(saved)}  # fmt: skip
                 row["floor_gib"] = row["param_state_gib"] + row["saved_gib"]
-                row.update({f"{k}_peak_gib": v / 2**30 for k, v in peaks.items()})
+                for k in ("fw", "bw"):
+                    if k in peaks:
+                        row[f"{k}_peak_gib"] = peaks[k] / 2**30
+                    if f"{k}_live" in peaks:
+                        row[f"{k}_peak_live"] = peaks[f"{k}_live"]
                 base = row if recipe == "bf16" else base
                 line = ""
                 if base is not None:
@@ -401,6 +447,11 @@ def main() -> None:
                     f"[{time.perf_counter() - start:.0f} s]",
                     flush=True,
                 )
+                for k in ("fw", "bw"):
+                    for b in row.get(f"{k}_peak_live", []):
+                        what = f"{b['dtype']} {tuple(b['shape'])}" if b["shape"] else "(input)"
+                        ops = ",".join(b["ops"])[:80]
+                        print(f"    {k} peak: {b['gib']:6.3f} GiB  {b['name']}  {what}  {ops}")
     if args.out:
         info = {"torch": torch.__version__, "device": "cpu (fake tensors)", "argv": sys.argv[1:]}
         Path(args.out).write_text(json.dumps({"info": info, "rows": rows}, indent=1) + "\n")
