@@ -103,6 +103,7 @@ from torch.overrides import TorchFunctionMode
 
 from blockscale import _registry
 from blockscale.ops.grouped_mm import grouped_mm
+from blockscale.ops.linear import output_dtype
 from blockscale.ops.weight_cache import WeightCache
 from blockscale.recipes import Recipe, require_recipe
 
@@ -111,17 +112,19 @@ from blockscale.recipes import Recipe, require_recipe
 # mode off.
 GROUPED_MM_FUNCTIONS = (torch._grouped_mm, F.grouped_mm)
 
+# Casts whose result, from a BF16 tensor, holds the same values in FP32: transformers' experts
+# widen their BF16 activations (autocast's) to the FP32 master weights' dtype before grouped_mm.
+_CASTS = frozenset({torch.Tensor.to, torch.Tensor.float, torch.Tensor.type})
+
 # Ops whose result is a function of their tensor argument's values alone (a layout change or
 # a cast), so the result of a chain of them is known by the parameter it starts from and its
 # own dtype and layout: what the weight cache keys an expert weight's copies by (GroupedMM's
 # `weight_source`). A weight reached through any other op is quantized at each use.
 _LAYOUT_AND_DTYPE_OPS = frozenset(
     {
-        torch.Tensor.to,
+        *_CASTS,
         torch.Tensor.bfloat16,
-        torch.Tensor.float,
         torch.Tensor.half,
-        torch.Tensor.type,
         torch.Tensor.contiguous,
         torch.Tensor.detach,
         torch.Tensor.transpose,
@@ -136,10 +139,6 @@ _LAYOUT_AND_DTYPE_OPS = frozenset(
         torch.Tensor.mT.__get__,
     }
 )
-
-# Casts whose result, from a BF16 tensor, holds the same values in FP32: transformers' experts
-# widen their BF16 activations (autocast's) to the FP32 master weights' dtype before grouped_mm.
-_CASTS = frozenset({torch.Tensor.to, torch.Tensor.float, torch.Tensor.type})
 
 # transformers' own grouped GEMM op, (input [M, K], weight [E, K, N], offs) -> [M, N], a loop of
 # torch.mm: its experts call it instead of grouped_mm for non-BF16 weights under torch.compile.
@@ -527,10 +526,8 @@ class _GroupedMMRouter(TorchFunctionMode):
             if narrow is None and fallback and _bf16_to_fp32(input.dtype, weight_t.dtype):
                 narrow = input  # the fallback op's uncast input, which it would cast
         if narrow is not None:
-            if out_dtype is None:  # what the FP32 call would have returned
-                device = input.device.type
-                autocast = torch.is_autocast_enabled(device)
-                out_dtype = torch.get_autocast_dtype(device) if autocast else torch.float32
+            if out_dtype is None:  # what the call on the FP32 input would have returned
+                out_dtype = output_dtype(weight_t if fallback else input)
             input = narrow
         elif fallback:
             # as transformers' grouped_mm path casts it (some releases call the fallback op
