@@ -8,9 +8,10 @@ FP32 parameters under BF16 autocast, as training runs them; one step is the laye
 x [tokens, dim] plus a backward of a random gradient. `--compile` adds each recipe under plain
 `torch.compile(layer)`, timed after its first (compiling) call, whose time is reported too.
 
-Weight cache (ops/weight_cache.py): `--weight-cache off on dq` runs each quantized recipe once
-per mode in the same process (`on`: the default cache, packed copies; `dq`: with the `_dq`
-operands kept; `off`: every use quantizes). A step is `--micro-batches` forwards and
+Weight cache (ops/weight_cache.py): `--weight-cache off on first dq` runs each quantized recipe
+once per mode in the same process (`on`: the default cache, packed copies kept once a step
+makes one twice; `first`: kept from their first use; `dq`: from their first use, with the
+`_dq` operands; `off`: every use quantizes). A step is `--micro-batches` forwards and
 backwards and then what an optimizer step does to the cache (it is cleared), so the cache
 saves what it would in training: the backward's and the later micro-batches' quantizations.
 
@@ -43,14 +44,14 @@ from blockscale.models.moe import MoE, MoEConfig  # noqa: E402
 LAYERS = [("deepseek-v3-like", 7168, 2048, 16, 4), ("mixtral-like", 4096, 14336, 8, 2)]
 QUICK_LAYERS = [("tiny", 64, 64, 4, 2)]
 RECIPES = ["bf16", "nvfp4", "nvfp4_fwd_mxfp8_bwd", "mxfp8"]
-CACHE_MODES = ["off", "on", "dq"]
+CACHE_MODES = ["off", "on", "first", "dq"]
 
 
 def set_cache(layer, mode: str) -> None:
     if mode == "off":
         bsnn.set_weight_cache(layer, False)
-    elif mode == "dq":
-        bsnn.set_weight_cache(layer, True, keep_dq=True)
+    elif mode in ("first", "dq"):
+        bsnn.set_weight_cache(layer, True, keep_dq=mode == "dq", from_first_use=True)
 
 
 def layer_for(dim: int, hidden: int, experts: int, top_k: int, device) -> MoE:

@@ -39,7 +39,11 @@ cross-entropy, backward, clipping at 1.0, fused AdamW. "compile" is plain
   shared process's peak is kept as peak_gib_shared either way;
 - status: ok, or why the row has no figures (compile_timeout, oom, error: ...);
 - profile (--profile TOP, in the JSON): one more step of the shared process under
-  torch.profiler: its TOP kernels by device time, launches, host issue and wall time.
+  torch.profiler: its TOP kernels by device time, launches, host issue and wall time;
+- memory_peak (--memory-peak TOP): one more step of the shared process under the CUDA
+  allocator's recorder: its highest point above the step's start and the TOP groups of
+  allocations live there, by the code that made them (bench_model.memory_peak_step).
+  --no-weight-cache runs every row (and its memory process) with the weight cache off.
 
 Sized for one model per 10-minute device call (both modes, bf16 / nvfp4 / mxfp8 and six memory
 processes; not yet timed on a GPU): split with --models, and --eager / --compile if a model
@@ -172,6 +176,8 @@ def run_case(name: str, mode: str, recipe: str, args, device: torch.device) -> d
     try:
         spec = MODELS[name]
         model = build(spec, recipe, args.seq_len, device)
+        if args.no_weight_cache:
+            bsnn.set_weight_cache(model, False)
         row["layers"] = spec.layers()
         row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
         optimizer = torch.optim.AdamW(
@@ -199,6 +205,10 @@ def run_case(name: str, mode: str, recipe: str, args, device: torch.device) -> d
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if args.profile:  # after the peak: the profiler's own buffers stay out of it
             row["profile"] = bench_model.profile_step(step, batches[0], device, args.profile)
+        if args.memory_peak and device.type == "cuda":
+            row["memory_peak"] = bench_model.memory_peak_step(
+                step, batches[0], device, args.memory_peak
+            )
     except Exception as e:  # a failing recipe must not lose the others' figures
         row["status"] = bench_model.failure(e)
     finally:
@@ -219,6 +229,8 @@ def peak_alone(name: str, mode: str, recipe: str, args) -> dict[str, Any]:
                    "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
                    "--warmup", "1", "--steps", str(args.memory_steps),
                    "--compile-timeout", str(args.compile_timeout)]  # fmt: skip
+        if args.no_weight_cache:
+            command.append("--no-weight-cache")
         if args.device:
             command += ["--device", args.device]
         try:
@@ -270,6 +282,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", type=int, default=0, metavar="TOP",
                         help="one more step under torch.profiler per row: its TOP kernels by "
                         "device time, launches and host time (in the JSON)")  # fmt: skip
+    parser.add_argument("--memory-peak", type=int, default=0, metavar="TOP",
+                        help="one more step under the CUDA allocator's recorder per row: the "
+                             "TOP groups of allocations live at its highest point, by the "
+                             "code that made them (in the JSON, and printed)")  # fmt: skip
+    parser.add_argument("--no-weight-cache", action="store_true",
+                        help="every converted weight quantized at each use "
+                             "(blockscale.nn.set_weight_cache(model, False))")  # fmt: skip
     parser.add_argument("--device", default=None)
     parser.add_argument("--smoke", action="store_true",
                         help="CPU smoke test: the tiny models (unless --models), batch 2, "
@@ -336,6 +355,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(f"\nB={args.batch_size} T={args.seq_len}, tokens/s ratios to the cast BF16 baseline "
           f"in one process; peak memory: {args.memory}")  # fmt: skip
     harness.print_table(rows, COLUMNS)
+    bench_model.print_profiles(rows)
     return rows
 
 

@@ -210,7 +210,7 @@ def test_grouped_mm_with_packed_weights_gives_the_same_bits(name, cached, monkey
     for packed in (False, True):
         monkeypatch.setattr(gemm_grouped, "PACKED_WEIGHT", packed)
         made.clear()
-        cache = WeightCache() if cached else None
+        cache = WeightCache(from_first_use=True) if cached else None
         runs[packed] = _step(x, w, grad, offs, RECIPES[name], cache), list(made)
     (want, made_off), (got, made_on) = runs[False], runs[True]
     assert made_off, "the `_dq` path made no weight `_dq`: the watch sees nothing"
@@ -290,7 +290,7 @@ def test_gpu_grouped_mm_with_packed_weights_gives_the_same_bits(name, monkeypatc
     runs = []
     for packed in (False, True):
         monkeypatch.setattr(gemm_grouped, "PACKED_WEIGHT", packed)
-        runs.append(_step(x, w, grad, offs, RECIPES[name], WeightCache()))
+        runs.append(_step(x, w, grad, offs, RECIPES[name], WeightCache(from_first_use=True)))
     for want_use, got_use in zip(*runs, strict=True):
         for a, b in zip(want_use, got_use, strict=True):
             torch.testing.assert_close(b, a, atol=0, rtol=0)

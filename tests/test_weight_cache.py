@@ -93,8 +93,8 @@ def build(kind: str, recipe, cache: str, params: str) -> nn.Module:
     bsnn.convert(model, recipe)
     if cache == "off":
         bsnn.set_weight_cache(model, False)
-    else:
-        bsnn.set_weight_cache(model, True, keep_dq=cache == "dq")
+    else:  # "default": copies kept once a step makes one twice; else from the first use
+        bsnn.set_weight_cache(model, True, keep_dq=cache == "dq", from_first_use=cache != "default")
     return model.bfloat16() if params == "bf16" else model
 
 
@@ -173,6 +173,58 @@ def test_a_step_quantizes_each_weight_copy_once(kind, name, monkeypatch):
     assert counted["off"] == n_weights * per_micro_batch * 2, counted
 
 
+def micro_batch(model, x, grad: bool = True) -> None:
+    with autocast_for("fp32-autocast"), torch.set_grad_enabled(grad):
+        y = model(x.detach().requires_grad_(grad)).float().square().mean()
+    if grad:
+        y.backward()
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_the_default_keeps_copies_once_a_step_makes_one_twice(kind, name, monkeypatch):
+    """The default cache (from_first_use=False) holds nothing while each copy is made once a
+    step, as with one micro-batch and two copies (MXFP8), and quantizes as often as no cache;
+    a copy made twice under one stamp (a second micro-batch; a dense backward that rebuilds
+    the 16x16 forward copy) makes it keep copies from then on, so later steps make each once."""
+    recipe = RECIPES[name]
+    copies = n_copies(recipe)
+    x1, x2 = inputs(2, "fp32-autocast")
+    off, model = (
+        build(kind, recipe, "off", "fp32-autocast"),
+        build(kind, recipe, "default", "fp32-autocast"),
+    )
+    counter, counts = Counter(monkeypatch), {}
+    for what, m in (("off", off), ("default", model)):
+        counter.calls = 0
+        micro_batch(m, x1)
+        counts[what] = counter.calls
+    assert counts["default"] == counts["off"] > 0, counts
+    # dense layers rebuild the shared 16x16 copy in the backward: made twice in one step
+    remade = kind == "dense" and copies == 1
+    for cache in caches(model):
+        assert cache.reused is remade and len(cache) == (1 if remade else 0), cache
+    micro_batch(model, x2)  # a second micro-batch under the same weights
+    assert all(c.reused for c in caches(model))
+    bsnn.clear_weight_cache(model)  # what an optimizer step does
+    counter.calls = 0
+    for x in (x1, x2):
+        micro_batch(model, x)
+    assert counter.calls == 2 * copies  # two weights, each copy made once in the step
+    assert all(len(c) == copies for c in caches(model))
+
+
+def test_forwards_without_grad_neither_keep_copies_nor_set_reused(monkeypatch):
+    """An evaluation under no_grad between optimizer steps makes its copies at each forward
+    and leaves the training step's cache as it was (nothing held across its backward)."""
+    model = build("moe", RECIPES["mxfp8"], "default", "fp32-autocast")
+    counter = Counter(monkeypatch)
+    for x in inputs(3, "fp32-autocast"):
+        micro_batch(model, x, grad=False)
+    assert counter.calls == 3 * 2  # gate_up_proj and down_proj at each forward
+    assert all(not c.reused and len(c) == 0 for c in caches(model))
+
+
 # Fused AdamW with FP32 masters (what CUDA users get), foreach and per-tensor with both.
 TRAINING = [
     ("fp32-autocast", {"fused": True}),
@@ -190,8 +242,10 @@ def test_training_with_the_cache_gives_the_uncached_bits(name, kind, params, opt
     """Two optimizer steps of two micro-batches each: the cache must drop its copies at each
     step (a fused optimizer leaves the version counter as it was) and reuse them within it."""
     recipe = RECIPES[name]
-    runs = {c: train(build(kind, recipe, c, params), params, optimizer) for c in ("off", "packed")}
+    modes = ("off", "packed", "default")
+    runs = {c: train(build(kind, recipe, c, params), params, optimizer) for c in modes}
     assert_same(runs["off"], runs["packed"])
+    assert_same(runs["off"], runs["default"])  # begins keeping copies within the first step
     # the weights did move enough for stale copies to show: the second step's losses differ
     assert not torch.equal(runs["off"][0][0], runs["off"][0][2])
 
@@ -412,7 +466,7 @@ def test_a_quantized_weight_is_not_cached():
     x, w = torch.randn(32, 64, generator=g), torch.randn(64, 64, generator=g) / 8
     rows = (recipe.output.weight, quantize_weight(w, recipe.output.weight, False, None))
     qw = QuantizedWeight(w.shape, w.dtype, rows, None, requires_grad=True)
-    cache = WeightCache()
+    cache = WeightCache(from_first_use=True)
     y = bs.linear(x, qw, None, recipe, weight_cache=cache)
     y.sum().backward()
     assert len(cache) == 0
@@ -424,7 +478,7 @@ def test_a_quantized_weight_is_not_cached():
 
 
 def test_inference_mode_does_not_fill_the_cache():
-    cache = WeightCache()
+    cache = WeightCache(from_first_use=True)
     w = torch.randn(64, 64)
     with torch.inference_mode():
         bs.linear(torch.randn(16, 64), w, None, RECIPES["nvfp4"], weight_cache=cache)
@@ -436,7 +490,7 @@ def test_inference_mode_does_not_fill_the_cache():
 
 def test_a_tensor_parallel_weight_shard_is_not_cached():
     sharded = bs.ops.AmaxReduction(lambda t: torch.maximum(t, torch.full_like(t, 4.0)), weight=True)
-    cache = WeightCache()
+    cache = WeightCache(from_first_use=True)
     bs.linear(torch.randn(16, 64), torch.randn(64, 64), None, RECIPES["nvfp4"],
               amax_reduction=sharded, weight_cache=cache)  # fmt: skip
     assert len(cache) == 0
@@ -450,14 +504,14 @@ def test_a_stochastic_weight_config_is_not_cached():
         output=dataclasses.replace(recipe.output, weight=w_cfg),
         grad_input=dataclasses.replace(recipe.grad_input, weight=w_cfg),
     )
-    cache = WeightCache()
+    cache = WeightCache(from_first_use=True)
     w = torch.randn(64, 64, requires_grad=True)
     bs.linear(torch.randn(16, 64), w, None, recipe, weight_cache=cache).sum().backward()
     assert len(cache) == 0
 
 
 def test_a_weight_computed_in_the_forward_is_not_cached():
-    cache = WeightCache()
+    cache = WeightCache(from_first_use=True)
     w = torch.randn(64, 64, requires_grad=True)
     bs.linear(torch.randn(16, 64), w * 2, None, RECIPES["nvfp4"], weight_cache=cache)
     assert len(cache) == 0
@@ -478,7 +532,7 @@ def test_held_bytes_are_the_packed_copies(name):
     recipe = RECIPES[name]
     n, k = 96, 64
     w = torch.randn(n, k, requires_grad=True)
-    cache = WeightCache()
+    cache = WeightCache(from_first_use=True)
     x = torch.randn(32, k, requires_grad=True)
     bs.linear(x, w, None, recipe, weight_cache=cache).sum().backward()
     want = packed_bytes(n * k, recipe.output.weight.format.value)
@@ -509,7 +563,7 @@ def test_kernel_path_keep_dq_holds_the_dq_operands_and_gives_the_same_bits(name,
     xs = [torch.randn(32, k, generator=g).bfloat16() for _ in range(2)]
     runs = {}
     for mode in ("off", "packed", "dq"):
-        cache = None if mode == "off" else WeightCache(keep_dq=mode == "dq")
+        cache = None if mode == "off" else WeightCache(keep_dq=mode == "dq", from_first_use=True)
         w = w0.clone().requires_grad_()
         outs = []
         for x in xs:

@@ -17,8 +17,10 @@ primary weights) takes the same call, carried as its inner tensors; any other te
 (a DTensor input or weight) runs `linear` eagerly at a graph break (`_linear_at_a_graph_break`).
 
 Weight cache (ops/weight_cache.py): each layer keeps its weight's quantized copies in
-`weight_cache` from the first use after the weight changes to the next optimizer step, so
-micro-batches and the backward reuse them (eager only; compiled graphs quantize as before).
+`weight_cache` until the next optimizer step, so micro-batches and the backward reuse them
+(eager only; compiled graphs quantize as before). By default a cache starts keeping copies
+once a step makes one of them twice (with one micro-batch and two copies, as MXFP8 has, it
+never does, and holds nothing); `from_first_use=True` keeps them from the first use.
 `set_weight_cache(model, False)` turns it off (`weight_cache = None`), `keep_dq=True` keeps
 the `_dq` operands too; `clear_weight_cache(model)` drops what is held (after a weight change
 the cache cannot see: module docstring there). `load_state_dict` and a new `recipe` clear it.
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockscale.ops.linear import RecipeConstant, compiled_linear, holds_quantized_copies, linear
-from blockscale.ops.weight_cache import WeightCache
+from blockscale.ops.weight_cache import DEFAULT_FROM_FIRST_USE, DEFAULT_KEEP_DQ, WeightCache
 from blockscale.recipes import Recipe, require_recipe
 
 
@@ -106,10 +108,16 @@ def _clear_after_load(module: nn.Module, incompatible_keys: object) -> None:
         module.weight_cache.clear()
 
 
-def set_weight_cache(model: nn.Module, enabled: bool, keep_dq: bool = False) -> int:
+def set_weight_cache(
+    model: nn.Module,
+    enabled: bool,
+    keep_dq: bool = DEFAULT_KEEP_DQ,
+    from_first_use: bool = DEFAULT_FROM_FIRST_USE,
+) -> int:
     """Give every converted linear and expert weight of `model` a new, empty weight cache
-    (`keep_dq`: it keeps the `_dq` operands too), or none (enabled=False: each use quantizes
-    the weight again). Returns how many modules were set.
+    (`keep_dq`: it keeps the `_dq` operands too; `from_first_use`: it keeps copies from their
+    first use, not only once a step has made one twice), or none (enabled=False: each use
+    quantizes the weight again). Returns how many modules were set.
 
     >>> model = bs.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), bs.recipes.get("nvfp4"))
     >>> bs.nn.set_weight_cache(model, False)  # quantize the weight at every use instead
@@ -118,7 +126,7 @@ def set_weight_cache(model: nn.Module, enabled: bool, keep_dq: bool = False) -> 
     count = 0
     for module in model.modules():
         if hasattr(module, "weight_cache"):
-            module.weight_cache = WeightCache(keep_dq) if enabled else None
+            module.weight_cache = WeightCache(keep_dq, from_first_use) if enabled else None
             count += 1
     return count
 

@@ -172,10 +172,11 @@ def _weight_pair(
     stamp: Stamp | None,
 ) -> tuple[QuantizedOperand, QuantizedOperand] | None:
     """The forward's copy along K (with its `_dq` if `dq`) and grad_input's copy along N,
-    packed, from one read of the expert weights (`quantize_experts_pair`), kept in `cache` as
-    `cached_weight` would keep them; None where the cache holds either already or one launch
-    cannot make both (then each copy is made on its own, as before). The pair is MXFP8 only,
-    whose rounding is always to nearest, so both copies are cacheable."""
+    packed, from one read of the expert weights (`quantize_experts_pair`), offered to `cache`
+    as `cached_weight` offers them (`WeightCache.keep`); None where the cache holds either
+    already or one launch cannot make both (then each copy is made on its own, as before).
+    The pair is MXFP8 only, whose rounding is always to nearest, so both copies are
+    cacheable."""
     keys = ((w_cfg, False), (dgrad_cfg, True))
     if cache is not None and (
         cache.keep_dq or any(cache.get(stamp, key) is not None for key in keys)
@@ -184,7 +185,7 @@ def _weight_pair(
     pair = quantize_experts_pair(weight, w_cfg, dgrad_cfg, dq=dq)
     if pair is not None and cache is not None:
         for key, op in zip(keys, pair):
-            cache.put(stamp, key, op)  # (a cache is handed in with its stamp, grouped_mm)
+            cache.keep(stamp, key, op)  # (a cache is handed in with its stamp, grouped_mm)
     return pair
 
 

@@ -41,10 +41,25 @@ follow to a parameter. Under FSDP2's quantized all-gather the layer's cache hold
 else instead: its shard's all-gather inputs and amax (distributed/fsdp.py), stamped by the
 FP32 shard, so the backward's re-gather and later micro-batches do not quantize it again.
 
-Memory (docs/KERNELS.md, "Weight cache"): the cache holds the packed codes and scales of each
-copy, 0.5625 bytes per weight value for NVFP4 and 1.03 for MXFP8, between the first use and
-the next optimizer step; with `keep_dq=True` also each copy's BF16 `_dq` operand (2 bytes per
-value) where the kernels make one, so no use dequantizes again.
+When copies are kept (`from_first_use`). A cache saves work only where a step would make the
+same copy twice: a second micro-batch, a backward that uses the forward's copy (NVFP4's 16x16
+weight), an activation-checkpointing recomputation. With one micro-batch a step and two copies
+(MXFP8: the forward's along K, dgrad's along N), every copy is made once, so keeping them
+saves nothing and holds them across the backward and to the optimizer step: on the H200, a
+transformers Mixtral-like layer trained eager with mxfp8 peaked 1.85 GiB higher with the copies
+kept from their first use (1.04x BF16's peak instead of 0.99x) at the same step time
+(docs/KERNELS.md, "Weight cache"). So by default (`from_first_use=False`) a cache keeps
+nothing until it sees one of its weight's copies made a second time under one stamp in
+training; from then on (`reused`, which stays set) it keeps every copy from its first use,
+as with `from_first_use=True`. The first step with grad accumulation thus makes its copies
+twice, once; later steps make each once. Forwards without grad (an evaluation under
+`torch.no_grad()`) read the cache but neither set `reused` nor keep copies: evaluating every
+N steps must not raise the training step's peak. The bits are the same either way.
+
+Memory (docs/KERNELS.md, "Weight cache"): a cache that keeps copies holds the packed codes and
+scales of each, 0.5625 bytes per weight value for NVFP4 and 1.03 for MXFP8, between the first
+use and the next optimizer step; with `keep_dq=True` also each copy's BF16 `_dq` operand (2
+bytes per value) where the kernels make one, so no use dequantizes again.
 """
 
 from __future__ import annotations
@@ -61,6 +76,9 @@ from blockscale._registry import tracing
 # Whether a new cache also keeps the `_dq` operands (docs/KERNELS.md, "Weight cache": packed
 # only by default, since the BF16 copies would add 2 bytes per weight value to the peak).
 DEFAULT_KEEP_DQ = False
+# Whether a new cache keeps copies from their first use, or only once a step has made one of
+# them twice (module docstring, "When copies are kept").
+DEFAULT_FROM_FIRST_USE = False
 
 # Every live cache, so that an optimizer step can clear them all.
 _LIVE: weakref.WeakSet[WeightCache] = weakref.WeakSet()
@@ -69,10 +87,13 @@ _HOOK: list[Any] = []
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Stamp:
-    """What a cached copy is valid for: the source tensor (weakly) and its metadata."""
+    """What a cached copy is valid for: the source tensor (weakly) and its metadata.
+    `training`: grad was enabled where the stamp was taken (a forward that trains, or its
+    backward); not part of what the copy is valid for."""
 
     source: weakref.ref
     key: tuple
+    training: bool = True
 
     def matches(self, other: Stamp | None) -> bool:
         if other is None or self.key != other.key:
@@ -92,27 +113,46 @@ def _layout(t: torch.Tensor) -> tuple:
 class WeightCache:
     """The quantized copies of one weight, valid while the weight is unchanged (module
     docstring). `keep_dq`: keep each copy's BF16 `_dq` GEMM operand too (else it is made
-    again by the dequantize kernel at each use, from the cached packed copy)."""
+    again by the dequantize kernel at each use, from the cached packed copy).
+    `from_first_use`: keep every copy from its first use; else only once a step has made one
+    of them twice (`reused`; module docstring, "When copies are kept")."""
 
-    def __init__(self, keep_dq: bool = DEFAULT_KEEP_DQ) -> None:
+    def __init__(
+        self, keep_dq: bool = DEFAULT_KEEP_DQ, from_first_use: bool = DEFAULT_FROM_FIRST_USE
+    ) -> None:
         self.keep_dq = keep_dq
+        self.from_first_use = from_first_use
+        self.reused = False  # a copy was made twice under one stamp, in training
         self._stamp: Stamp | None = None
         self._copies: dict[tuple, Any] = {}
+        self._made: set[tuple] = set()  # keys made and not kept under `_stamp`
         _LIVE.add(self)
         _register_optimizer_hook()
 
     def __deepcopy__(self, memo: dict) -> WeightCache:
-        return WeightCache(self.keep_dq)  # a copied model's weights are other tensors
+        # a copied model's weights are other tensors; what was learned of its steps holds
+        copied = WeightCache(self.keep_dq, self.from_first_use)
+        copied.reused = self.reused
+        return copied
 
     def __reduce__(self) -> tuple:
-        return WeightCache, (self.keep_dq,)
+        return WeightCache, (self.keep_dq, self.from_first_use)
 
     def __repr__(self) -> str:
-        return f"WeightCache(keep_dq={self.keep_dq}, copies={len(self._copies)})"
+        return (
+            f"WeightCache(keep_dq={self.keep_dq}, from_first_use={self.from_first_use}, "
+            f"reused={self.reused}, copies={len(self._copies)})"
+        )
 
     def clear(self) -> None:
         self._stamp = None
         self._copies = {}
+        self._made = set()
+
+    @property
+    def keeps(self) -> bool:
+        """Whether a copy made now is kept from its first use."""
+        return self.from_first_use or self.reused
 
     def __len__(self) -> int:
         return len(self._copies)
@@ -145,7 +185,7 @@ class WeightCache:
             *_layout(weight),
             weight.storage_offset() - source.storage_offset() if weight._base is source else 0,
         )
-        return Stamp(weakref.ref(source), key)
+        return Stamp(weakref.ref(source), key, torch.is_grad_enabled())
 
     def get(self, stamp: Stamp | None, key: tuple) -> Any:
         """The copy `key` made under `stamp`, or None."""
@@ -161,26 +201,47 @@ class WeightCache:
         dq: bool,
         renew: bool = True,
     ) -> Any:
-        """The copy `key` of the weight `stamp` describes: cached, or `make(dq)` (stored).
-        `dq`: the caller feeds a GEMM now, so the copy needs its `_dq` (made in the same pass
-        when it is new; rebuilt from the packed copy on demand otherwise). `renew=False` (a
-        backward, whose stamp is its forward's): store only while the cache still holds that
-        stamp's copies; once cleared (an optimizer step since), the weight may have changed
-        without a trace in the stamp (a fused optimizer), so nothing is stored under it."""
+        """The copy `key` of the weight `stamp` describes: cached, or `make(dq)` (offered to
+        `keep`). `dq`: the caller feeds a GEMM now, so the copy needs its `_dq` (made in the
+        same pass when it is new; rebuilt from the packed copy on demand otherwise).
+        `renew=False` (a backward, whose stamp is its forward's): keep only while the cache
+        still holds that stamp; once cleared (an optimizer step since), the weight may have
+        changed without a trace in the stamp (a fused optimizer), so nothing is kept under
+        it."""
         if stamp is None:
             return make(dq)
         found = self.get(stamp, key)
         if found is None:
             found = make(dq or self.keep_dq)
             if renew or stamp.matches(self._stamp):
-                self.put(stamp, key, found)
+                self.keep(stamp, key, found)
         return found
 
-    def put(self, stamp: Stamp, key: tuple, op: Any) -> None:
-        """Keep `op` as copy `key` under `stamp`; a new stamp drops the old copies first."""
-        if not stamp.matches(self._stamp):
-            self._stamp, self._copies = stamp, {}
+    def keep(self, stamp: Stamp, key: tuple, op: Any) -> bool:
+        """Offer `op`, just made, as copy `key` under `stamp`: kept if the cache keeps copies
+        from their first use (`keeps`), or if this is the second time a step in training
+        made it (which sets `reused`). Returns whether it was kept."""
+        self._renew(stamp)
+        if not self.keeps:
+            if not stamp.training:
+                return False
+            if key not in self._made:
+                self._made.add(key)
+                return False
+            self.reused = True
         self._copies[key] = op if self.keep_dq else _packed(op)
+        return True
+
+    def put(self, stamp: Stamp, key: tuple, op: Any) -> None:
+        """Keep `op` as copy `key` under `stamp`, whatever `keeps` says (what FSDP2's
+        all-gather keeps for its re-gather, distributed/fsdp.py)."""
+        self._renew(stamp)
+        self._copies[key] = op if self.keep_dq else _packed(op)
+
+    def _renew(self, stamp: Stamp) -> None:
+        """A new stamp drops the old copies (and what was made under the old one)."""
+        if not stamp.matches(self._stamp):
+            self._stamp, self._copies, self._made = stamp, {}, set()
 
 
 def _packed(op: Any) -> Any:
