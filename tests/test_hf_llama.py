@@ -148,18 +148,38 @@ def packed_bytes(values: int, fmt: Format) -> float:
     return values + values / 32
 
 
+def _amax_pool_storages() -> dict[int, int]:
+    """Address -> bytes of kernels/amax.py's zeroed-pair blocks now (CUDA eager calls take
+    each amax from one: 512 pairs, 8 KiB, freed with the last amax viewing it)."""
+    from blockscale.kernels import amax as amax_kernels  # noqa: PLC0415 (needs Triton)
+
+    storages = [b[0].untyped_storage() for b in amax_kernels._ZEROED.blocks.values()]
+    return {s.data_ptr(): s.nbytes() for s in storages}
+
+
 def saved_bytes_per_converted_linear(model: nn.Module, ids: torch.Tensor) -> dict[str, int]:
     """Bytes of the unique storages each blockscale Linear saves for backward (a view saved
     counts its whole storage: a BF16 buffer kept alive through a view is caught), beside the
-    model's parameters: a weight saved itself is a reference to memory held anyway."""
+    model's parameters: a weight saved itself is a reference to memory held anyway. An amax
+    from the amax kernels' pool of zeroed pairs counts its own bytes: the pool block is shared
+    by up to 512 amaxes (on the H200 a saved weight amax counted as the block's 8192 bytes)."""
     storages: dict[str, dict[int, int]] = {}
     current: list[str] = []
     held = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    # every pool block seen since the forward began (a block handed out amaxes in this
+    # linear's forward was in the pool at its start or is still there at its save)
+    pooled = ids.device.type == "cuda"
+    pool = _amax_pool_storages() if pooled else {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         s = t.untyped_storage()
+        if pooled:
+            pool.update(_amax_pool_storages())
         if current and s.data_ptr() not in held:
-            storages[current[-1]][s.data_ptr()] = s.nbytes()
+            if pool.get(s.data_ptr()) == s.nbytes():
+                storages[current[-1]][t.data_ptr()] = t.numel() * t.element_size()
+            else:
+                storages[current[-1]][s.data_ptr()] = s.nbytes()
         return t
 
     handles = []
