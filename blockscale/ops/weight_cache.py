@@ -6,7 +6,8 @@ micro-batches. A `WeightCache`, one per converted weight (held by `blockscale.nn
 each `GroupedMM`), keeps the copies a step makes of its weight: the forward's (along K) and,
 for recipes whose dgrad copy is not the 16x16 forward copy transposed, the copy along N. The
 first use after the weight changes makes a copy, as before; every later forward, backward and
-micro-batch takes it from the cache. The bits are those of the uncached path: a copy is made by
+micro-batch takes it from the cache (once the cache keeps copies: "When copies are kept"
+below). The bits are those of the uncached path: a copy is made by
 the same call, from the same tensor, with round-to-nearest only (a stochastic weight config is
 never cached: each use draws its own noise).
 

@@ -83,8 +83,9 @@ class TrainConfig:
     )
     weight_cache: bool = _f(
         True,
-        "keep each converted weight's quantized copies from its first use to the next optimizer "
-        "step (the same bits; off: quantize at every use)",
+        "keep each converted weight's quantized copies to the next optimizer step once a step "
+        "makes one of them twice, e.g. with grad accumulation (the same bits; off: quantize at "
+        "every use)",
     )
     bf16_final_fraction: float = _f(
         0.0, "precision schedule: train the last fraction of steps in BF16", FRACTION
