@@ -22,7 +22,10 @@ over its time, against the copy ceiling of the same run.
                                     # the per-group kernels at each tile (both-direction kinds)
     python benchmarks/bench_grouped_mm.py --gemms --recipes bf16 --tokens 65536 --experts 1 8
                                     # the grouped GEMMs alone: CUTLASS, each tile config, and
-                                    # each tile order (bands of row tiles, persistent or not)
+                                    # each tile order (bands of row tiles, persistent or not),
+                                    # and grad_weight with an FP32 output, one program a tile
+                                    # or persistent (kernels/grouped_gemm.py
+                                    # TOKENS_PERSISTENT_FP32)
     python benchmarks/bench_grouped_mm.py --packed --json results/packed_h200.json
                                     # the rows GEMMs (output, grad_input) reading the expert
                                     # weights packed, against the `_dq` path (dequantize +
@@ -323,6 +326,19 @@ def gemm_rows(k: int, n: int, m: int, e: int, device: torch.device, args) -> lis
                 record(f"ours {gemm}, bands of {group_m}{kind}", fn)
     for name, value in saved.items():
         setattr(gg, name, value)
+    # grad_weight with an FP32 output (FP32 master weights, what users train with): one
+    # program a tile against persistent with each tile stored in halves
+    # (TOKENS_PERSISTENT_FP32), at the default tiles and order; `equal`: the same bits
+    saved_fp32 = gg.TOKENS_PERSISTENT_FP32
+    outs = {}
+    for halves in (False, True):
+        gg.TOKENS_PERSISTENT_FP32 = halves
+        fn = lambda: gg.grouped_gemm_tokens(got, xt, layout.seg_ends, amax, torch.float32)  # noqa: E731
+        kind = "persistent, tile stored in halves" if halves else "one program a tile"
+        record(f"ours grad_weight fp32-out, {kind}", fn)
+        outs[halves] = fn()
+    gg.TOKENS_PERSISTENT_FP32 = saved_fp32
+    rows[-1]["equal"] = torch.equal(outs[True], outs[False])
     return rows
 
 
@@ -549,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
             for m in tokens:
                 for e in experts:
                     out += gemm_rows(k, n, m, e, device, args)
-        harness.print_table(out, ["gemm", "M,K,N,E", "us", "tflops"])
+        harness.print_table(out, ["gemm", "M,K,N,E", "us", "tflops", "equal"])
         if args.json:
             harness.write_json(
                 args.json, {"benchmark": "grouped_gemms", "banner": info, "rows": out}

@@ -645,6 +645,60 @@ def test_persistent_grouped_gemms_equal_one_program_per_tile(b_layout, monkeypat
     torch.testing.assert_close(tokens_p, tokens_1, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("tiles", [None, (16, 32, 16, 4, 2)])
+def test_persistent_fp32_grad_weight_stored_in_halves_equals_one_program_per_tile(
+    tiles, monkeypatch
+):
+    """TOKENS_PERSISTENT_FP32: grad_weight with an FP32 output (FP32 master weights) runs
+    persistent and stores each tile as two [BM, BN/2] halves; it must give the bits of one
+    program a tile (the same tiles, each summed in the same order). At the default tiles
+    (128x256: one tile, its right half past the 48 columns) and at 16x32 tiles (more tiles
+    than the interpreter's 4 programs; the last column tile's right half past the edge).
+    Groups: empty, 1 token, several token blocks."""
+    gg = importlib.import_module("blockscale.kernels.grouped_gemm")
+    if tiles is not None:
+        monkeypatch.setattr(gg, "TOKENS_CONFIG", tiles)
+    sizes = [0, 130, 44, 1, 125]
+    offs = _offs(sizes)
+    layout = G.token_layout(offs, sum(sizes) + 7)
+    g = torch.Generator().manual_seed(11)
+    n, k = 40, 48
+    at = torch.randn(n, layout.capacity, generator=g)
+    bt = torch.randn(k, layout.capacity, generator=g)
+    amax = (torch.rand(len(sizes), generator=g) + 1, torch.rand(len(sizes), generator=g) + 1)
+    results = {}
+    for split in (True, False):
+        monkeypatch.setattr(gg, "TOKENS_PERSISTENT_FP32", split)
+        results[split] = gg.grouped_gemm_tokens(at, bt, layout.seg_ends, amax, torch.float32)
+    got, want = results[True], results[False]
+    assert got.dtype == torch.float32 and got.shape == (len(sizes), n, k)
+    assert want[0].abs().sum() == 0 and (want[1:].abs().sum((1, 2)) > 0).all()
+    assert (want[1:, :, -8:].abs().sum((1, 2)) > 0).all()  # the last columns are written
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_persistent_fp32_grad_weight_equals_one_program_per_tile(monkeypatch):
+    """TOKENS_PERSISTENT_FP32 on the GPU: the persistent FP32-output launch (its tile stored
+    in halves, to fit Hopper's shared memory at 128x256x64 and 3 stages) compiles, runs and
+    gives the bits of one program a tile, at 8 uneven experts of 1024 x 2048."""
+    gg = importlib.import_module("blockscale.kernels.grouped_gemm")
+    sizes = [3000, 0, 517, 1, 2048, 640, 129, 1857]
+    offs = _offs(sizes).cuda()
+    layout = G.token_layout(offs, sum(sizes))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    at = torch.randn(1024, layout.capacity, generator=g, device="cuda").bfloat16()
+    bt = torch.randn(2048, layout.capacity, generator=g, device="cuda").bfloat16()
+    amax = tuple(torch.rand(len(sizes), generator=g, device="cuda") + 1 for _ in range(2))
+    results = {}
+    for halves in (True, False):
+        monkeypatch.setattr(gg, "TOKENS_PERSISTENT_FP32", halves)
+        results[halves] = gg.grouped_gemm_tokens(at, bt, layout.seg_ends, amax, torch.float32)
+    assert results[False][1].abs().sum() == 0 and results[False][0].abs().sum() > 0
+    torch.testing.assert_close(results[True], results[False], atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("b_layout", ["k-major", "n-major"])
 def test_grouped_gemm_tile_orders_give_the_same_bits(b_layout, monkeypatch):
     """ROWS_GROUP_M_* / TOKENS_GROUP_M only reorder the output tiles (kernels/gemm.py's `_tile`):
