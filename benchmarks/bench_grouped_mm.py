@@ -23,9 +23,8 @@ over its time, against the copy ceiling of the same run.
     python benchmarks/bench_grouped_mm.py --gemms --recipes bf16 --tokens 65536 --experts 1 8
                                     # the grouped GEMMs alone: CUTLASS, each tile config, and
                                     # each tile order (bands of row tiles, persistent or not),
-                                    # and grad_weight with an FP32 output, one program a tile
-                                    # or persistent (kernels/grouped_gemm.py
-                                    # TOKENS_PERSISTENT_FP32)
+                                    # and grad_weight with an FP32 output, each launch of
+                                    # kernels/grouped_gemm.py's TOKENS_FP32_LAUNCHES
     python benchmarks/bench_grouped_mm.py --packed --json results/packed_h200.json
                                     # the rows GEMMs (output, grad_input) reading the expert
                                     # weights packed, against the `_dq` path (dequantize +
@@ -326,19 +325,18 @@ def gemm_rows(k: int, n: int, m: int, e: int, device: torch.device, args) -> lis
                 record(f"ours {gemm}, bands of {group_m}{kind}", fn)
     for name, value in saved.items():
         setattr(gg, name, value)
-    # grad_weight with an FP32 output (FP32 master weights, what users train with): one
-    # program a tile against persistent with each tile stored in halves
-    # (TOKENS_PERSISTENT_FP32), at the default tiles and order; `equal`: the same bits
-    saved_fp32 = gg.TOKENS_PERSISTENT_FP32
+    # grad_weight with an FP32 output (FP32 master weights, what users train with): each of
+    # kernels/grouped_gemm.py's TOKENS_FP32_LAUNCHES at the default tiles and order; `equal`:
+    # the same bits as one program a tile
+    saved_fp32 = gg.TOKENS_FP32_LAUNCH
     outs = {}
-    for halves in (False, True):
-        gg.TOKENS_PERSISTENT_FP32 = halves
+    for launch in gg.TOKENS_FP32_LAUNCHES:
+        gg.TOKENS_FP32_LAUNCH = launch
         fn = lambda: gg.grouped_gemm_tokens(got, xt, layout.seg_ends, amax, torch.float32)  # noqa: E731
-        kind = "persistent, tile stored in halves" if halves else "one program a tile"
-        record(f"ours grad_weight fp32-out, {kind}", fn)
-        outs[halves] = fn()
-    gg.TOKENS_PERSISTENT_FP32 = saved_fp32
-    rows[-1]["equal"] = torch.equal(outs[True], outs[False])
+        record(f"ours grad_weight fp32-out, {launch}", fn)
+        outs[launch] = fn()
+        rows[-1]["equal"] = torch.equal(outs[launch], outs["per_tile"])
+    gg.TOKENS_FP32_LAUNCH = saved_fp32
     return rows
 
 

@@ -44,8 +44,8 @@ cross-entropy, backward, clipping at 1.0, fused AdamW. "compile" is plain
   allocator's recorder: its highest point above the step's start and the TOP groups of
   allocations live there, by the code that made them (bench_model.memory_peak_step).
   --no-weight-cache runs every row (and its memory process) with the weight cache off;
-  --persistent-fp32-grad-weight with kernels/grouped_gemm.py's TOKENS_PERSISTENT_FP32 on (the
-  experts' FP32-output grad_weight GEMMs persistent, each tile stored in halves).
+  --fp32-grad-weight-launch LAUNCH sets kernels/grouped_gemm.py's TOKENS_FP32_LAUNCH (how the
+  experts' FP32-output grad_weight GEMMs run: per_tile, halves, pointers).
 
 Sized for one model per 10-minute device call (both modes, bf16 / nvfp4 / mxfp8 and six memory
 processes; not yet timed on a GPU): split with --models, and --eager / --compile if a model
@@ -233,8 +233,8 @@ def peak_alone(name: str, mode: str, recipe: str, args) -> dict[str, Any]:
                    "--compile-timeout", str(args.compile_timeout)]  # fmt: skip
         if args.no_weight_cache:
             command.append("--no-weight-cache")
-        if args.persistent_fp32_grad_weight:
-            command.append("--persistent-fp32-grad-weight")
+        if args.fp32_grad_weight_launch:
+            command += ["--fp32-grad-weight-launch", args.fp32_grad_weight_launch]
         if args.device:
             command += ["--device", args.device]
         try:
@@ -293,9 +293,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-weight-cache", action="store_true",
                         help="every converted weight quantized at each use "
                              "(blockscale.nn.set_weight_cache(model, False))")  # fmt: skip
-    parser.add_argument("--persistent-fp32-grad-weight", action="store_true",
-                        help="FP32-output grad_weight GEMMs persistent "
-                             "(kernels/grouped_gemm.py TOKENS_PERSISTENT_FP32)")  # fmt: skip
+    parser.add_argument("--fp32-grad-weight-launch", choices=["per_tile", "halves", "pointers"],
+                        help="how FP32-output grad_weight GEMMs run "
+                             "(kernels/grouped_gemm.py TOKENS_FP32_LAUNCH)")  # fmt: skip
     parser.add_argument("--device", default=None)
     parser.add_argument("--smoke", action="store_true",
                         help="CPU smoke test: the tiny models (unless --models), batch 2, "
@@ -316,10 +316,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
-    if args.persistent_fp32_grad_weight:
+    if args.fp32_grad_weight_launch:
         from blockscale.kernels import grouped_gemm  # noqa: PLC0415 (needs Triton)
 
-        grouped_gemm.TOKENS_PERSISTENT_FP32 = True
+        grouped_gemm.TOKENS_FP32_LAUNCH = args.fp32_grad_weight_launch
     device = harness.pick_device(args.device)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in MODELS]

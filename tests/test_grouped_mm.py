@@ -646,15 +646,15 @@ def test_persistent_grouped_gemms_equal_one_program_per_tile(b_layout, monkeypat
 
 
 @pytest.mark.parametrize("tiles", [None, (16, 32, 16, 4, 2)])
-def test_persistent_fp32_grad_weight_stored_in_halves_equals_one_program_per_tile(
-    tiles, monkeypatch
-):
-    """TOKENS_PERSISTENT_FP32: grad_weight with an FP32 output (FP32 master weights) runs
-    persistent and stores each tile as two [BM, BN/2] halves; it must give the bits of one
+def test_fp32_grad_weight_launches_give_the_same_bits(tiles, monkeypatch):
+    """TOKENS_FP32_LAUNCH: grad_weight with an FP32 output (FP32 master weights) one program a
+    tile, or persistent with each tile stored through TMA in two [BM, BN/2] halves, or
+    persistent with each tile stored from registers: every launch must give the bits of one
     program a tile (the same tiles, each summed in the same order). At the default tiles
-    (128x256: one tile, its right half past the 48 columns) and at 16x32 tiles (more tiles
-    than the interpreter's 4 programs; the last column tile's right half past the edge).
-    Groups: empty, 1 token, several token blocks."""
+    (128x256: one tile a group, its right half past the 48 columns) and at 16x32 tiles (more
+    tiles than the interpreter's 4 programs; the last column tile's right half past the edge,
+    the last row tile's lower half past the 40 rows). Groups: empty, 1 token, several token
+    blocks. An unknown launch name is refused."""
     gg = importlib.import_module("blockscale.kernels.grouped_gemm")
     if tiles is not None:
         monkeypatch.setattr(gg, "TOKENS_CONFIG", tiles)
@@ -667,22 +667,27 @@ def test_persistent_fp32_grad_weight_stored_in_halves_equals_one_program_per_til
     bt = torch.randn(k, layout.capacity, generator=g)
     amax = (torch.rand(len(sizes), generator=g) + 1, torch.rand(len(sizes), generator=g) + 1)
     results = {}
-    for split in (True, False):
-        monkeypatch.setattr(gg, "TOKENS_PERSISTENT_FP32", split)
-        results[split] = gg.grouped_gemm_tokens(at, bt, layout.seg_ends, amax, torch.float32)
-    got, want = results[True], results[False]
-    assert got.dtype == torch.float32 and got.shape == (len(sizes), n, k)
+    for launch in gg.TOKENS_FP32_LAUNCHES:
+        monkeypatch.setattr(gg, "TOKENS_FP32_LAUNCH", launch)
+        results[launch] = gg.grouped_gemm_tokens(at, bt, layout.seg_ends, amax, torch.float32)
+    want = results["per_tile"]
+    assert want.dtype == torch.float32 and want.shape == (len(sizes), n, k)
     assert want[0].abs().sum() == 0 and (want[1:].abs().sum((1, 2)) > 0).all()
-    assert (want[1:, :, -8:].abs().sum((1, 2)) > 0).all()  # the last columns are written
-    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert (want[1:, -8:, -8:].abs().sum((1, 2)) > 0).all()  # the last rows and columns
+    for launch, got in results.items():
+        torch.testing.assert_close(got, want, atol=0, rtol=0, msg=launch)
+    monkeypatch.setattr(gg, "TOKENS_FP32_LAUNCH", "persistent-ish")
+    with pytest.raises(ValueError, match="TOKENS_FP32_LAUNCH"):
+        gg.grouped_gemm_tokens(at, bt, layout.seg_ends, amax, torch.float32)
 
 
 @pytest.mark.gpu
 @cuda
-def test_gpu_persistent_fp32_grad_weight_equals_one_program_per_tile(monkeypatch):
-    """TOKENS_PERSISTENT_FP32 on the GPU: the persistent FP32-output launch (its tile stored
-    in halves, to fit Hopper's shared memory at 128x256x64 and 3 stages) compiles, runs and
-    gives the bits of one program a tile, at 8 uneven experts of 1024 x 2048."""
+def test_gpu_fp32_grad_weight_launches_give_the_same_bits(monkeypatch):
+    """TOKENS_FP32_LAUNCH on the GPU: the persistent FP32-output launches (the tile stored in
+    halves through TMA, or from registers; both fit Hopper's shared memory at 128x256x64)
+    compile, run and give the bits of one program a tile, at 8 uneven experts of
+    1024 x 2048."""
     gg = importlib.import_module("blockscale.kernels.grouped_gemm")
     sizes = [3000, 0, 517, 1, 2048, 640, 129, 1857]
     offs = _offs(sizes).cuda()
@@ -692,11 +697,13 @@ def test_gpu_persistent_fp32_grad_weight_equals_one_program_per_tile(monkeypatch
     bt = torch.randn(2048, layout.capacity, generator=g, device="cuda").bfloat16()
     amax = tuple(torch.rand(len(sizes), generator=g, device="cuda") + 1 for _ in range(2))
     results = {}
-    for halves in (True, False):
-        monkeypatch.setattr(gg, "TOKENS_PERSISTENT_FP32", halves)
-        results[halves] = gg.grouped_gemm_tokens(at, bt, layout.seg_ends, amax, torch.float32)
-    assert results[False][1].abs().sum() == 0 and results[False][0].abs().sum() > 0
-    torch.testing.assert_close(results[True], results[False], atol=0, rtol=0)
+    for launch in gg.TOKENS_FP32_LAUNCHES:
+        monkeypatch.setattr(gg, "TOKENS_FP32_LAUNCH", launch)
+        results[launch] = gg.grouped_gemm_tokens(at, bt, layout.seg_ends, amax, torch.float32)
+    want = results["per_tile"]
+    assert want[1].abs().sum() == 0 and want[0].abs().sum() > 0
+    for launch, got in results.items():
+        torch.testing.assert_close(got, want, atol=0, rtol=0, msg=launch)
 
 
 @pytest.mark.parametrize("b_layout", ["k-major", "n-major"])

@@ -80,16 +80,25 @@ ROWS_GROUP_M_NMAJOR = 16
 TOKENS_PERSISTENT = True
 TOKENS_GROUP_M = 8
 TOKENS_PERSISTENT_STAGES = 3
-# FP32 outputs (grad_weight of FP32 master weights, what users train with) persistent too, the
-# tile stored in two halves of [BM, BN/2] (SPLIT_STORE) so the epilogue's shared memory is the
-# BF16 tile's: compiled for sm_90 on the CPU (Triton 3.6, 128x256x64, 8 warps, 3 stages), the
-# one-store FP32 tile needs 278,552 bytes of shared memory (past Hopper's 232,448), the split
-# one 213,016, as much as the BF16 persistent launch. Same tiles, same sums, same bits
-# (tests/test_grouped_mm.py). Off until timed on a GPU against the one-program-a-tile launch
-# (`bench_grouped_mm.py --gemms` times both): on the H200 that launch, FP32 out, ran the
-# Mixtral-like compiled step's grad_weight GEMMs at 593 TFLOP/s against the rows kernel's 790
+# How grad_weight runs with an FP32 output (FP32 master weights, what users train with):
+# "per_tile", one program a tile storing the FP32 tile through TMA in one piece (the default);
+# "halves", persistent, the tile stored through TMA as two [BM, BN/2] halves, so the epilogue
+# needs the BF16 tile's shared memory; "pointers", persistent, the tile stored from registers
+# as the rows kernel stores its output, so the epilogue needs none and the pipeline keeps
+# TOKENS_CONFIG's stages. Compiled for sm_90 on the CPU (Triton 3.6, 128x256x64, 8 warps):
+# one persistent TMA store of the FP32 tile with 3 stages needs 278,552 bytes of shared
+# memory (past Hopper's 232,448); "halves" 213,016 (the BF16 persistent launch's figure);
+# "pointers" with 4 stages 196,640, no spills; "per_tile" with 4 stages 196,640. Every choice
+# gives the same bits (tests/test_grouped_mm.py). "per_tile" until the others are timed on a GPU
+# (`bench_grouped_mm.py --gemms` times all three): on the H200 it ran the Mixtral-like
+# compiled step's grad_weight GEMMs at 563-593 TFLOP/s against the rows kernel's 790
 # (docs/KERNELS.md, "grad_weight with FP32 outputs").
-TOKENS_PERSISTENT_FP32 = False
+TOKENS_FP32_LAUNCH = "per_tile"
+TOKENS_FP32_LAUNCHES = ("per_tile", "halves", "pointers")
+# _tokens_tile's STORE: the output tile in one TMA store, in two halves, or from registers
+STORE_HALVES = tl.constexpr(1)
+STORE_POINTERS = tl.constexpr(2)
+_STORES = {"per_tile": 0, "persistent": 0, "halves": 1, "pointers": 2}
 OPERAND_DTYPES = (torch.bfloat16, torch.float32)
 # The rows kernel with the expert weight read packed (`grouped_gemm_rows_packed`): its own
 # tiles, since each program also decodes its weight tile in registers. The rows kernel's: on
@@ -297,10 +306,11 @@ def _rows_kernel(
 
 @triton.jit
 def _tokens_tile(
-    a_desc, b_desc, out_desc, seg_ends_ptr, amax_a_ptr, amax_b_ptr, tile_id, E, num_pid_m,
-    num_pid_n, HAS_ALPHA: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr,
+    a_desc, b_desc, out_desc, out_ptr, N, K, stride_oe, stride_on, seg_ends_ptr, amax_a_ptr,
+    amax_b_ptr, tile_id, E, num_pid_m, num_pid_n, HAS_ALPHA: tl.constexpr, OUT_BF16: tl.constexpr,
+    ASM: tl.constexpr,
     DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, GROUP_M: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, SPLIT_STORE: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, STORE: tl.constexpr,
 ):  # fmt: skip
     per_group = num_pid_m * num_pid_n
     g = tile_id // per_group
@@ -322,40 +332,49 @@ def _tokens_tile(
     acc = _mul_rn(acc, tl.broadcast_to(alpha, [BM, BN]), ASM)
     if OUT_BF16:
         out_desc.store([g, m0, n0], tl.reshape(bf16_bits(round_to_bf16(acc)), [1, BM, BN]))
-    elif SPLIT_STORE:  # two [BM, BN/2] halves: half the epilogue's shared memory
+    elif STORE == STORE_HALVES:  # two [BM, BN/2] halves: half the epilogue's shared memory
         left, right = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN // 2]), [0, 2, 1]))
         out_desc.store([g, m0, n0], tl.reshape(left, [1, BM, BN // 2]))
         out_desc.store([g, m0, n0 + BN // 2], tl.reshape(right, [1, BM, BN // 2]))
+    elif STORE == STORE_POINTERS:  # from registers: no shared memory for the epilogue
+        rows = m0 + tl.arange(0, BM)
+        cols = n0 + tl.arange(0, BN)
+        dst = out_ptr + g.to(tl.int64) * stride_oe + rows[:, None].to(tl.int64) * stride_on
+        dst += cols[None, :]
+        tl.store(dst, acc, mask=(rows < N)[:, None] & (cols < K)[None, :])
     else:
         out_desc.store([g, m0, n0], tl.reshape(acc, [1, BM, BN]))
 
 
 @triton.jit
 def _tokens_kernel(
-    a_desc, b_desc, out_desc, seg_ends_ptr, amax_a_ptr, amax_b_ptr, E, num_pid_m, num_pid_n,
-    HAS_ALPHA: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr, DOT_F32: tl.constexpr,
-    INTERPRET: tl.constexpr, GROUP_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
-    SPLIT_STORE: tl.constexpr,
+    a_desc, b_desc, out_desc, out_ptr, N, K, stride_oe, stride_on, seg_ends_ptr, amax_a_ptr,
+    amax_b_ptr, E, num_pid_m, num_pid_n, HAS_ALPHA: tl.constexpr, OUT_BF16: tl.constexpr,
+    ASM: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, GROUP_M: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PERSISTENT: tl.constexpr,
+    PROGRAMS: tl.constexpr, STORE: tl.constexpr,
 ):  # fmt: skip
     if PERSISTENT:
         num_tiles = E * num_pid_m * num_pid_n
         if INTERPRET:
             tile_id = tl.program_id(0)
             while tile_id < num_tiles:
-                _tokens_tile(a_desc, b_desc, out_desc, seg_ends_ptr, amax_a_ptr, amax_b_ptr,
-                             tile_id, E, num_pid_m, num_pid_n, HAS_ALPHA, OUT_BF16, ASM, DOT_F32,
-                             INTERPRET, GROUP_M, BM, BN, BK, SPLIT_STORE)  # fmt: skip
+                _tokens_tile(a_desc, b_desc, out_desc, out_ptr, N, K, stride_oe, stride_on,
+                             seg_ends_ptr, amax_a_ptr, amax_b_ptr, tile_id, E, num_pid_m, num_pid_n,
+                             HAS_ALPHA, OUT_BF16, ASM, DOT_F32, INTERPRET, GROUP_M, BM, BN, BK,
+                             STORE)  # fmt: skip
                 tile_id += PROGRAMS
         else:
             for tile_id in tl.range(tl.program_id(0), num_tiles, PROGRAMS):
-                _tokens_tile(a_desc, b_desc, out_desc, seg_ends_ptr, amax_a_ptr, amax_b_ptr,
-                             tile_id, E, num_pid_m, num_pid_n, HAS_ALPHA, OUT_BF16, ASM, DOT_F32,
-                             INTERPRET, GROUP_M, BM, BN, BK, SPLIT_STORE)  # fmt: skip
+                _tokens_tile(a_desc, b_desc, out_desc, out_ptr, N, K, stride_oe, stride_on,
+                             seg_ends_ptr, amax_a_ptr, amax_b_ptr, tile_id, E, num_pid_m, num_pid_n,
+                             HAS_ALPHA, OUT_BF16, ASM, DOT_F32, INTERPRET, GROUP_M, BM, BN, BK,
+                             STORE)  # fmt: skip
     else:
-        _tokens_tile(a_desc, b_desc, out_desc, seg_ends_ptr, amax_a_ptr, amax_b_ptr,
-                     tl.program_id(0), E, num_pid_m, num_pid_n, HAS_ALPHA, OUT_BF16, ASM, DOT_F32,
-                     INTERPRET, GROUP_M, BM, BN, BK, SPLIT_STORE)  # fmt: skip
+        _tokens_tile(a_desc, b_desc, out_desc, out_ptr, N, K, stride_oe, stride_on,
+                     seg_ends_ptr, amax_a_ptr, amax_b_ptr, tl.program_id(0), E, num_pid_m,
+                     num_pid_n, HAS_ALPHA, OUT_BF16, ASM, DOT_F32, INTERPRET, GROUP_M, BM, BN,
+                     BK, STORE)  # fmt: skip
 
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -503,20 +522,26 @@ def _grouped_gemm_tokens(
     num_pid_m, num_pid_n = cdiv(N, bm), cdiv(K, bn)
     has_alpha = amax_a is not None
     tiles = E * num_pid_m * num_pid_n
-    persistent = TOKENS_PERSISTENT and (bf16 or TOKENS_PERSISTENT_FP32)
-    split = persistent and not bf16  # an FP32 tile stored in halves (TOKENS_PERSISTENT_FP32)
+    fp32_launch = "persistent" if bf16 else TOKENS_FP32_LAUNCH
+    if fp32_launch not in ("persistent", *TOKENS_FP32_LAUNCHES):
+        raise ValueError(
+            f"TOKENS_FP32_LAUNCH {fp32_launch!r}: expected one of {TOKENS_FP32_LAUNCHES}"
+        )
+    persistent = TOKENS_PERSISTENT and fp32_launch != "per_tile"
+    store = _STORES[fp32_launch]
     programs, programs_key = _grid(a.device, tiles, persistent)
-    if persistent:
+    if persistent and fp32_launch != "pointers":  # (a TMA store's tile: shared memory)
         stages = min(stages, TOKENS_PERSISTENT_STAGES)
     if E:
         direct(_tokens_kernel, (programs,),
             _descriptor(a, [bm, bk]), _descriptor(b, [bn, bk]),
-            _descriptor(dst, [1, bm, bn // 2 if split else bn]),
+            _descriptor(dst, [1, bm, bn // 2 if fp32_launch == "halves" else bn]),
+            dst, N, K, dst.stride(0), dst.stride(1),
             seg_ends, amax_a if has_alpha else seg_ends, amax_b if has_alpha else seg_ends, E,
             num_pid_m, num_pid_n, HAS_ALPHA=has_alpha, OUT_BF16=bf16, ASM=not interpreting(),
             DOT_F32=interpreting() or a.dtype == torch.float32, INTERPRET=interpreting(),
             GROUP_M=TOKENS_GROUP_M, BM=bm, BN=bn, BK=bk, PERSISTENT=persistent,
-            PROGRAMS=programs_key, SPLIT_STORE=split, num_warps=warps, num_stages=stages,
+            PROGRAMS=programs_key, STORE=store, num_warps=warps, num_stages=stages,
         )  # fmt: skip
 
 
