@@ -68,6 +68,9 @@ from blockscale.formats import grouped as G  # noqa: E402
 from blockscale.kernels.grouped import TILES as G_TILES  # noqa: E402
 
 SHAPES = {"deepseek-v3": (7168, 2048), "llama-4": (5120, 8192)}
+# shapes run only when named (--shapes): the transformers Mixtral-like model's up projection
+# (bench_moe_model.py), K = hidden 4096, N = 2 x width 14336
+NAMED_SHAPES = {"mixtral-up": (4096, 28672)}
 TOKENS = [32768, 65536]
 EXPERTS = [1, 2, 4, 8, 64]
 QUICK = {"shapes": {"tiny": (64, 64)}, "tokens": [200], "experts": [1, 4]}
@@ -508,7 +511,8 @@ def dequantize_rows(label: str, shape: tuple, args, device, copy_bps: float) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = harness.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     parser.add_argument("--recipes", nargs="+", default=RECIPES, choices=RECIPES)
-    parser.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=None,
+                        choices=list(SHAPES) + list(NAMED_SHAPES))  # fmt: skip
     parser.add_argument("--tokens", nargs="+", type=int, default=None)
     parser.add_argument("--experts", nargs="+", type=int, default=None)
     parser.add_argument("--kernels", action="store_true", help="also the kernel breakdown table")
@@ -546,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     args.reps = args.reps if args.reps is not None else (2 if args.quick else 15)
     args.recipes = ["bf16"] + [r for r in args.recipes if r != "bf16"]
-    shapes = QUICK["shapes"] if args.quick else {s: SHAPES[s] for s in args.shapes or SHAPES}
+    known = SHAPES | NAMED_SHAPES
+    shapes = QUICK["shapes"] if args.quick else {s: known[s] for s in args.shapes or SHAPES}
     tokens = args.tokens or (QUICK["tokens"] if args.quick else TOKENS)
     experts = args.experts or (QUICK["experts"] if args.quick else EXPERTS)
 

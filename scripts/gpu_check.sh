@@ -3,7 +3,8 @@
 # resolved, one part per call (a call on a lent GPU runs at most 10 minutes). From the
 # repository root on the GPU machine (python3 with torch and triton; no install of blockscale):
 #
-#   scripts/gpu_check.sh tests OUT     every gpu-marked test (pytest -m gpu); log in OUT  (~4 min)
+#   scripts/gpu_check.sh tests OUT     every gpu-marked test (pytest -m gpu); log in OUT  (~9 min:
+#                                      129 tests on 2026-11-29 were 57% done at 300 s)
 #   scripts/gpu_check.sh kernels OUT   check_amax_gpu + bench_quantize; JSON in OUT       (~3 min)
 #   scripts/gpu_check.sh linear OUT    bench_linear + the step breakdown of each recipe    (~4 min)
 #   scripts/gpu_check.sh ab OUT        the kernels changed on 2026-11-25 (SR bits hashed, MXFP8
@@ -31,6 +32,12 @@
 #                                      quantized recipe: compiling it; give it two at a time)
 #                                      RECIPES=nvfp4-no-hadamard,... times the study's ablations
 #                                      instead (bf16 always runs first: the ratios are to it)
+#   scripts/gpu_check.sh gradweight OUT grad_weight with FP32 outputs (TOKENS_FP32_LAUNCH, built
+#                                      2026-11-29, not yet timed): its GPU test, each launch
+#                                      at the Mixtral-like up projection (bench_grouped_mm
+#                                      --gemms), then the Mixtral-like model compiled with
+#                                      each launch in LAUNCHES (all three), one process each
+#                                      (~8 min; LAUNCHES="halves pointers" for fewer)
 #   scripts/gpu_check.sh dist OUT      two GPUs: the gpu-marked distributed tests (NCCL), then
 #                                      bench_distributed.py suite --parts "${PARTS:-exact,ep}"
 #                                      (HF_MODELS=llama-1b,..., HF_RANKS [0,2: one GPU
@@ -44,7 +51,7 @@ set -uo pipefail
 PYTHON=${PYTHON:-python3}
 part=${1:-}
 out=${2:-}
-[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,41p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,48p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -112,6 +119,16 @@ moe)
 train)
     step "$PYTHON" benchmarks/bench_train.py --model small --batch-size 32 --compile \
         --recipes "${RECIPES:-bf16,nvfp4,mxfp8,nvfp4_fwd_mxfp8_bwd}" --json "$out/bench_train.json" ;;
+gradweight)
+    step "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/test_grouped_mm.py \
+        -k fp32_grad_weight_launches
+    step "$PYTHON" benchmarks/bench_grouped_mm.py --gemms --recipes bf16 --shapes mixtral-up \
+        --tokens 32768 --experts 8 --json "$out/grad_weight_fp32_launches.json"
+    for launch in ${LAUNCHES:-per_tile halves pointers}; do
+        step "$PYTHON" benchmarks/bench_moe_model.py --models mixtral --compile --memory none \
+            --recipes bf16,nvfp4,mxfp8 --steps 4 --warmup 1 --fp32-grad-weight-launch "$launch" \
+            --out "$out/moe_mixtral_compiled_$launch.json"
+    done ;;
 dist)
     [ "${TESTS:-1}" = 1 ] && step "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider \
         tests/test_distributed_*.py
@@ -119,7 +136,8 @@ dist)
         --hf-models "${HF_MODELS:-llama-1b,llama-8b-8l}" --hf-ranks "${HF_RANKS:-0,2}" \
         ${HF_BATCH:+--hf-batch "$HF_BATCH"} ${HF_MODES:+--hf-modes "$HF_MODES"} \
         --json "$out/bench_distributed${TAG:+_$TAG}.json" ;;
-*) echo "unknown part '$part': tests, kernels, ab, sweep, linear, models, cublas, moe, train or dist" >&2
+*) echo "unknown part '$part': tests, kernels, ab, sweep, linear, models, cublas, moe, train," \
+        "gradweight or dist" >&2
    exit 2 ;;
 esac
 echo "gpu_check $part: exit status $status (log $log)"
