@@ -4,7 +4,8 @@
 # repository root on the GPU machine (python3 with torch and triton; no install of blockscale):
 #
 #   scripts/gpu_check.sh tests OUT     every gpu-marked test (pytest -m gpu); log in OUT  (~9 min:
-#                                      129 tests on 2026-11-29 were 57% done at 300 s)
+#                                      129 tests on 2026-11-29 were 57% done at 300 s);
+#                                      FILES='tests/test_a.py tests/test_b.py' for a part of them
 #   scripts/gpu_check.sh kernels OUT   check_amax_gpu + bench_quantize; JSON in OUT       (~3 min)
 #   scripts/gpu_check.sh linear OUT    bench_linear + the step breakdown of each recipe    (~4 min)
 #   scripts/gpu_check.sh ab OUT        the kernels changed on 2026-11-25 (SR bits hashed, MXFP8
@@ -51,7 +52,7 @@ set -uo pipefail
 PYTHON=${PYTHON:-python3}
 part=${1:-}
 out=${2:-}
-[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,48p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,49p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -67,7 +68,7 @@ step() {
 }
 
 case "$part" in
-tests) step "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests ;;
+tests) step "$PYTHON" -m pytest -q -rf -m gpu -p no:cacheprovider ${FILES:-tests} ;;
 kernels)
     step "$PYTHON" benchmarks/research/check_amax_gpu.py
     step "$PYTHON" benchmarks/bench_quantize.py --json "$out/bench_quantize.json" ;;
