@@ -98,7 +98,7 @@ TOKENS_FP32_LAUNCHES = ("per_tile", "halves", "pointers")
 # _tokens_tile's STORE: the output tile in one TMA store, in two halves, or from registers
 STORE_HALVES = tl.constexpr(1)
 STORE_POINTERS = tl.constexpr(2)
-_STORES = {"per_tile": 0, "persistent": 0, "halves": 1, "pointers": 2}
+_STORES = {"halves": STORE_HALVES.value, "pointers": STORE_POINTERS.value}  # else 0: one store
 OPERAND_DTYPES = (torch.bfloat16, torch.float32)
 # The rows kernel with the expert weight read packed (`grouped_gemm_rows_packed`): its own
 # tiles, since each program also decodes its weight tile in registers. The rows kernel's: on
@@ -522,13 +522,13 @@ def _grouped_gemm_tokens(
     num_pid_m, num_pid_n = cdiv(N, bm), cdiv(K, bn)
     has_alpha = amax_a is not None
     tiles = E * num_pid_m * num_pid_n
-    fp32_launch = "persistent" if bf16 else TOKENS_FP32_LAUNCH
-    if fp32_launch not in ("persistent", *TOKENS_FP32_LAUNCHES):
+    if TOKENS_FP32_LAUNCH not in TOKENS_FP32_LAUNCHES:
         raise ValueError(
-            f"TOKENS_FP32_LAUNCH {fp32_launch!r}: expected one of {TOKENS_FP32_LAUNCHES}"
+            f"TOKENS_FP32_LAUNCH {TOKENS_FP32_LAUNCH!r}: expected one of {TOKENS_FP32_LAUNCHES}"
         )
+    fp32_launch = None if bf16 else TOKENS_FP32_LAUNCH  # (a BF16 tile: one TMA store)
     persistent = TOKENS_PERSISTENT and fp32_launch != "per_tile"
-    store = _STORES[fp32_launch]
+    store = _STORES.get(fp32_launch, 0)
     programs, programs_key = _grid(a.device, tiles, persistent)
     if persistent and fp32_launch != "pointers":  # (a TMA store's tile: shared memory)
         stages = min(stages, TOKENS_PERSISTENT_STAGES)

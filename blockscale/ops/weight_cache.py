@@ -218,20 +218,19 @@ class WeightCache:
                 self.keep(stamp, key, found)
         return found
 
-    def keep(self, stamp: Stamp, key: tuple, op: Any) -> bool:
-        """Offer `op`, just made, as copy `key` under `stamp`: kept if the cache keeps copies
-        from their first use (`keeps`), or if this is the second time a step in training
-        made it (which sets `reused`). Returns whether it was kept."""
+    def keep(self, stamp: Stamp, key: tuple, op: Any) -> None:
+        """Offer `op`, just made, as copy `key` under `stamp`: kept (`put`) if the cache keeps
+        copies from their first use (`keeps`), or if this is the second time a step in
+        training made it (which sets `reused`)."""
         self._renew(stamp)
         if not self.keeps:
             if not stamp.training:
-                return False
+                return
             if key not in self._made:
                 self._made.add(key)
-                return False
+                return
             self.reused = True
-        self._copies[key] = op if self.keep_dq else _packed(op)
-        return True
+        self.put(stamp, key, op)
 
     def put(self, stamp: Stamp, key: tuple, op: Any) -> None:
         """Keep `op` as copy `key` under `stamp`, whatever `keeps` says (what FSDP2's
