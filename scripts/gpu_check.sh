@@ -33,12 +33,12 @@
 #                                      quantized recipe: compiling it; give it two at a time)
 #                                      RECIPES=nvfp4-no-hadamard,... times the study's ablations
 #                                      instead (bf16 always runs first: the ratios are to it)
-#   scripts/gpu_check.sh gradweight OUT grad_weight with FP32 outputs (TOKENS_FP32_LAUNCH, built
-#                                      2026-11-29, not yet timed): its GPU test, each launch
-#                                      at the Mixtral-like up projection (bench_grouped_mm
+#   scripts/gpu_check.sh gradweight OUT grad_weight with FP32 outputs (TOKENS_FP32_LAUNCH;
+#                                      `halves` the default since it was timed): its GPU test, each
+#                                      launch at the Mixtral-like up projection (bench_grouped_mm
 #                                      --gemms), then the Mixtral-like model compiled with
 #                                      each launch in LAUNCHES (all three), one process each
-#                                      (~8 min; LAUNCHES="halves pointers" for fewer)
+#                                      (~4 min; LAUNCHES="halves pointers" for fewer)
 #   scripts/gpu_check.sh dist OUT      two GPUs: the gpu-marked distributed tests (NCCL), then
 #                                      bench_distributed.py suite --parts "${PARTS:-exact,ep}"
 #                                      (HF_MODELS=llama-1b,..., HF_RANKS [0,2: one GPU

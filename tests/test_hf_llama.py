@@ -12,6 +12,7 @@ inputs) and the gradients within a band. The quantized linears' own compiled num
 checked bit for bit in tests/test_compile.py.
 """
 
+import importlib
 import logging
 import signal
 import sys
@@ -151,7 +152,8 @@ def packed_bytes(values: int, fmt: Format) -> float:
 def _amax_pool_storages() -> dict[int, int]:
     """Address -> bytes of kernels/amax.py's zeroed-pair blocks now (CUDA eager calls take
     each amax from one: 512 pairs, 8 KiB, freed with the last amax viewing it)."""
-    from blockscale.kernels import amax as amax_kernels  # noqa: PLC0415 (needs Triton)
+    # (by its module path: the package's `amax` is the function of that name)
+    amax_kernels = importlib.import_module("blockscale.kernels.amax")  # (needs Triton)
 
     storages = [b[0].untyped_storage() for b in amax_kernels._ZEROED.blocks.values()]
     return {s.data_ptr(): s.nbytes() for s in storages}

@@ -81,7 +81,7 @@ TOKENS_PERSISTENT = True
 TOKENS_GROUP_M = 8
 TOKENS_PERSISTENT_STAGES = 3
 # How grad_weight runs with an FP32 output (FP32 master weights, what users train with):
-# "per_tile", one program a tile storing the FP32 tile through TMA in one piece (the default);
+# "per_tile", one program a tile storing the FP32 tile through TMA in one piece;
 # "halves", persistent, the tile stored through TMA as two [BM, BN/2] halves, so the epilogue
 # needs the BF16 tile's shared memory; "pointers", persistent, the tile stored from registers
 # as the rows kernel stores its output, so the epilogue needs none and the pipeline keeps
@@ -89,11 +89,13 @@ TOKENS_PERSISTENT_STAGES = 3
 # one persistent TMA store of the FP32 tile with 3 stages needs 278,552 bytes of shared
 # memory (past Hopper's 232,448); "halves" 213,016 (the BF16 persistent launch's figure);
 # "pointers" with 4 stages 196,640, no spills; "per_tile" with 4 stages 196,640. Every choice
-# gives the same bits (tests/test_grouped_mm.py). "per_tile" until the others are timed on a GPU
-# (`bench_grouped_mm.py --gemms` times all three): on the H200 it ran the Mixtral-like
-# compiled step's grad_weight GEMMs at 563-593 TFLOP/s against the rows kernel's 790
+# gives the same bits (tests/test_grouped_mm.py). "halves" by measurement (one H200, torch
+# 2.11, 2026-11-29, `bench_grouped_mm.py --gemms --shapes mixtral-up`): the Mixtral-like up
+# projection's grad_weight (32768 rows, 8 experts) in 11.9 ms, 648 TFLOP/s, against
+# "pointers" 635 and "per_tile" 555 (CUTLASS BF16 637); the compiled Mixtral-like step
+# 0.950x / 0.964x BF16 (nvfp4 / mxfp8) against per_tile's 0.927x / 0.936x
 # (docs/KERNELS.md, "grad_weight with FP32 outputs").
-TOKENS_FP32_LAUNCH = "per_tile"
+TOKENS_FP32_LAUNCH = "halves"
 TOKENS_FP32_LAUNCHES = ("per_tile", "halves", "pointers")
 # _tokens_tile's STORE: the output tile in one TMA store, in two halves, or from registers
 STORE_HALVES = tl.constexpr(1)
