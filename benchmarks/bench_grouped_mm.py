@@ -68,9 +68,18 @@ from blockscale.formats import grouped as G  # noqa: E402
 from blockscale.kernels.grouped import TILES as G_TILES  # noqa: E402
 
 SHAPES = {"deepseek-v3": (7168, 2048), "llama-4": (5120, 8192)}
-# shapes run only when named (--shapes): the transformers Mixtral-like model's up projection
-# (bench_moe_model.py), K = hidden 4096, N = 2 x width 14336
-NAMED_SHAPES = {"mixtral-up": (4096, 28672)}
+# shapes run only when named (--shapes), (K, N) of the transformers MoE models' expert GEMMs
+# (bench_moe_model.py): Mixtral-like up projection (hidden 4096, N = 2 x width 14336), and the
+# fine-grained ones' up and down projections, Qwen3-30B-A3B-like (hidden 2048, width 768; 128
+# experts) and DeepSeek-V3-like (hidden 2048, width 512; 256 experts): with B=8 x 2048 tokens
+# routed top-8, --tokens 131072
+NAMED_SHAPES = {
+    "mixtral-up": (4096, 28672),
+    "qwen3-up": (2048, 1536),
+    "qwen3-down": (768, 2048),
+    "deepseek-up": (2048, 1024),
+    "deepseek-down": (512, 2048),
+}
 TOKENS = [32768, 65536]
 EXPERTS = [1, 2, 4, 8, 64]
 QUICK = {"shapes": {"tiny": (64, 64)}, "tokens": [200], "experts": [1, 4]}
@@ -279,6 +288,9 @@ def gemm_rows(k: int, n: int, m: int, e: int, device: torch.device, args) -> lis
         torch._grouped_mm(x, w.transpose(-2, -1), offs=offs, out_dtype=torch.float32)
         cases["torch fp32-out output"] = lambda: torch._grouped_mm(
             x, w.transpose(-2, -1), offs=offs, out_dtype=torch.float32
+        )
+        cases["torch fp32-out grad_weight"] = lambda: torch._grouped_mm(
+            go.t(), x, offs=offs, out_dtype=torch.float32
         )
     except RuntimeError as err:
         print(f"torch._grouped_mm with out_dtype=float32: {str(err).splitlines()[0]}")

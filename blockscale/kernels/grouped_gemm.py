@@ -71,8 +71,9 @@ TOKENS_CONFIG = (128, 256, 64, 8, 4)
 # with bands of 8 (Llama-4-like 9281 -> 7910 us, CUTLASS 8793); grad_input (the N-major
 # transposed 16x16 weight) one program a tile with bands of 16 (DeepSeek-V3-like 3146 -> 2855
 # us). 4 stages do not fit the persistent grad_weight kernel's shared memory; it runs 3. Only
-# BF16 outputs run persistent: an FP32 output tile (grad_weight of FP32 master weights) with
-# 3 stages is past Hopper's 227 KiB.
+# BF16 outputs run persistent with one TMA store of the tile: an FP32 output tile (grad_weight
+# of FP32 master weights) stored that way with 3 stages is past Hopper's 227 KiB, so an FP32
+# output stores its tile another way (TOKENS_FP32_LAUNCH below).
 ROWS_PERSISTENT_KMAJOR = True
 ROWS_PERSISTENT_NMAJOR = False
 ROWS_GROUP_M_KMAJOR = 8
@@ -89,13 +90,14 @@ TOKENS_PERSISTENT_STAGES = 3
 # one persistent TMA store of the FP32 tile with 3 stages needs 278,552 bytes of shared
 # memory (past Hopper's 232,448); "halves" 213,016 (the BF16 persistent launch's figure);
 # "pointers" with 4 stages 196,640, no spills; "per_tile" with 4 stages 196,640. Every choice
-# gives the same bits (tests/test_grouped_mm.py). "halves" by measurement (one H200, torch
-# 2.11, 2026-11-29, `bench_grouped_mm.py --gemms --shapes mixtral-up`): the Mixtral-like up
-# projection's grad_weight (32768 rows, 8 experts) in 11.9 ms, 648 TFLOP/s, against
-# "pointers" 635 and "per_tile" 555 (CUTLASS BF16 637); the compiled Mixtral-like step
-# 0.950x / 0.964x BF16 (nvfp4 / mxfp8) against per_tile's 0.927x / 0.936x
-# (docs/KERNELS.md, "grad_weight with FP32 outputs").
-TOKENS_FP32_LAUNCH = "halves"
+# gives the same bits (tests/test_grouped_mm.py). "pointers" by measurement (one H200, torch
+# 2.11, 2026-11-29, `bench_grouped_mm.py --gemms`, docs/KERNELS.md "grad_weight with FP32
+# outputs"): at the Qwen3-30B-A3B-like and DeepSeek-V3-like experts (128 and 256, 131072 rows)
+# it ran 8-9% faster than "halves" and 1-11% faster than "per_tile"; at the Mixtral-like up
+# projection (8 experts) 2% behind "halves" (12.13 against 11.88 ms) and 13% ahead of
+# "per_tile"; the compiled Mixtral-like step was level with "halves" (0.949x / 0.970x BF16,
+# nvfp4 / mxfp8, against 0.950x / 0.964x; per_tile 0.927x / 0.936x).
+TOKENS_FP32_LAUNCH = "pointers"
 TOKENS_FP32_LAUNCHES = ("per_tile", "halves", "pointers")
 # _tokens_tile's STORE: the output tile in one TMA store, in two halves, or from registers
 STORE_HALVES = tl.constexpr(1)
