@@ -194,6 +194,31 @@ def kernel_cases(x: torch.Tensor, e: int) -> dict[str, tuple[Any, float]]:
             lambda: kg.mxfp8_quantize_grouped(x, layout, True, True, (True, True)),
             2 * m * k + mx_copy(m, k) + 2 * m * k + mx_copy(k, p) + 2 * k * p,
         ),
+        # as the emulated step makes them (gemm/grouped.py, DQ_ONLY_ACTIVATIONS): each copy
+        # made with its `_dq` written without its codes and scales
+        "nvfp4 fwd, dq only: rows dq, Hadamard tokens": (
+            lambda: kg.nvfp4_quantize_grouped(
+                x, layout, "nearest", "nearest", True, (True, False), amax, codes=(False, False)
+            ),
+            2 * m * k + 2 * m * k + nvfp4_copy(k, p),
+        ),
+        "nvfp4 bwd, dq only: rows SR dq, Hadamard tokens SR dq": (
+            lambda: kg.nvfp4_quantize_grouped(
+                x,
+                layout,
+                "stochastic",
+                "stochastic",
+                True,
+                (True, True),
+                amax,
+                codes=(False, False),
+            ),  # fmt: skip
+            2 * m * k + 2 * m * k + 2 * k * p,
+        ),
+        "mxfp8, dq only: rows dq, tokens dq": (
+            lambda: kg.mxfp8_quantize_grouped(x, layout, True, True, (True, True), (False, False)),
+            2 * m * k + 2 * m * k + 2 * k * p,
+        ),
     }
     # the layout: source and group of every position
     return {name: (fn, nbytes + 8 * p) for name, (fn, nbytes) in cases.items()}

@@ -15,6 +15,9 @@ weights arrive in FP32, the backward's gradients in BF16. Per model, one MoE lay
   read (`row+col`);
 - `act bw up` / `act bw down`: grad_output (BF16 [M, 2*width] / [M, hidden]): both copies with
   their `_dq` (NVFP4: stochastic rounding, Hadamard token copy);
+- each `act` launch again as `..., dq only`: every copy made with its `_dq` written without its
+  codes and scales, as the emulated step makes them since 2026-11-29 (gemm/grouped.py,
+  DQ_ONLY_ACTIVATIONS);
 - NVFP4's group amax passes (activations: plain and Hadamard; weights: plain), timed once
   (their tile is kernels.grouped.AMAX_TILE, not swept).
 
@@ -155,12 +158,13 @@ def _launches(model: str, shape: tuple, recipe: str, device: torch.device) -> li
     if recipe == "mxfp8":
         for name, x in act.items():
             dq_col = "bw" in name
-            out.append(Launch(
-                name, "mxfp8", launch_kind(True, True, True),
-                lambda x=x, dq_col=dq_col: kg._mxfp8_quantize_grouped_2d(
-                    x, src, True, True, True, dq_col),
-                _nbytes(x) + 8 * p,
-            ))  # fmt: skip
+            for codes, label in ((True, ""), (False, ", dq only")):
+                out.append(Launch(
+                    name + label, "mxfp8", launch_kind(True, True, True),
+                    lambda x=x, dq_col=dq_col, codes=codes: kg._mxfp8_quantize_grouped_2d(
+                        x, src, True, True, True, dq_col, codes, codes),
+                    _nbytes(x) + 8 * p,
+                ))  # fmt: skip
         for name, w in weights.items():
             for label, row, col in (("row", True, False), ("col", False, True),
                                     ("row+col", True, True)):  # fmt: skip
@@ -180,14 +184,15 @@ def _launches(model: str, shape: tuple, recipe: str, device: torch.device) -> li
             f"{name} amax", "amax", None,
             lambda x=x: (kg._group_amax_2d(x, src, grp, e, True, True),), _nbytes(x) + 8 * p,
         ))  # fmt: skip
-        out.append(Launch(
-            name, "nvfp4", launch_kind(True, True, True, bw),
-            lambda x=x, amax=amax, bw=bw: kg._nvfp4_quantize_grouped_2d(
-                x, src, grp, amax[0].contiguous(), amax[1].contiguous(), seed if bw else None,
-                row=True, col=True, row_2d=False, row_sr=bw, col_sr=bw, col_hadamard=True,
-                dq_row=True, dq_col=bw),
-            _nbytes(x) + 8 * p,
-        ))  # fmt: skip
+        for codes, label in ((True, ""), (False, ", dq only")):
+            out.append(Launch(
+                name + label, "nvfp4", launch_kind(True, True, True, bw),
+                lambda x=x, amax=amax, bw=bw, codes=codes: kg._nvfp4_quantize_grouped_2d(
+                    x, src, grp, amax[0].contiguous(), amax[1].contiguous(), seed if bw else None,
+                    row=True, col=True, row_2d=False, row_sr=bw, col_sr=bw, col_hadamard=True,
+                    dq_row=True, dq_col=bw, row_codes=codes, col_codes=codes),
+                _nbytes(x) + 8 * p,
+            ))  # fmt: skip
     for name, w in weights.items():
         group = torch.arange(w.shape[0], device=device, dtype=torch.int32) // per_row[name]
         amax = kg._group_amax_2d(w, None, group, e, True, False)[0].contiguous()

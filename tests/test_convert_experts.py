@@ -367,10 +367,10 @@ def test_kernel_path_compiled_mxfp8_experts_make_both_weight_copies_in_one_launc
     launch = kg._mxfp8_quantize_grouped_2d
     expert_launches: list[tuple[bool, bool]] = []
 
-    def spy(x, source, row, col, dq_row, dq_col):
+    def spy(x, source, row, col, dq_row, dq_col, *codes):
         if source is None:  # the expert weights' rows (activations walk a layout)
             expert_launches.append((row, col))
-        return launch(x, source, row, col, dq_row, dq_col)
+        return launch(x, source, row, col, dq_row, dq_col, *codes)
 
     monkeypatch.setattr(kg, "_mxfp8_quantize_grouped_2d", spy)
     torch.manual_seed(0)

@@ -247,6 +247,77 @@ def test_kernel_quantizations_equal_formats(hadamard):
     )
 
 
+@pytest.mark.parametrize("hadamard", [False, True], ids=["plain", "hadamard"])
+def test_kernel_copies_without_codes_give_the_same_dq(hadamard):
+    """`codes=(False, False)`: each copy made with its `_dq` is written as the `_dq` alone
+    (data and scale empty), the `_dq` bit for bit that of the full call; a token copy made
+    without its `_dq` keeps its codes. NVFP4 rows nearest and tokens stochastic (one seed),
+    MXFP8 both."""
+    kg = _library.kernels()
+    sizes = [44, 0, 1, 117, 28]
+    x, _, _, offs = _data(sizes, 10, k=64, n=64)
+    x = x.bfloat16()
+    layout = G.token_layout(offs, x.shape[0])
+    kw = dict(rows="nearest", tokens="stochastic", hadamard=hadamard, return_dq=(True, True))
+    full = kg.nvfp4_quantize_grouped(x, layout, generator=torch.Generator().manual_seed(3), **kw)
+    bare = kg.nvfp4_quantize_grouped(
+        x, layout, generator=torch.Generator().manual_seed(3), codes=(False, False), **kw
+    )
+    end = sum(sizes)  # the kernels leave rows past offs[-1] unwritten
+    for (q_full, dq_full), (q_bare, dq_bare), rows in zip(full, bare, (end, None)):
+        assert q_full.data.shape[0] > 0 and q_bare.data.shape[0] == 0
+        assert q_bare.scale.shape[0] == 0 and q_bare.shape == q_full.shape
+        torch.testing.assert_close(q_bare.amax, q_full.amax, atol=0, rtol=0)
+        torch.testing.assert_close(dq_bare[:rows], dq_full[:rows], atol=0, rtol=0)
+    (_, _), (kept, none) = kg.nvfp4_quantize_grouped(
+        x, layout, rows="nearest", tokens="nearest", hadamard=hadamard, codes=(False, False)
+    )
+    assert none is None and kept.data.shape == full[1][0].data.shape
+    m_full = kg.mxfp8_quantize_grouped(x, layout, True, True, (True, True))
+    m_bare = kg.mxfp8_quantize_grouped(x, layout, True, True, (True, True), (False, False))
+    for (q_full, dq_full), (q_bare, dq_bare), rows in zip(m_full, m_bare, (end, None)):
+        assert q_full.data.shape[0] > 0 and q_bare.data.shape[0] == 0
+        assert q_bare.scale.shape[0] == 0 and q_bare.shape == q_full.shape
+        torch.testing.assert_close(dq_bare[:rows], dq_full[:rows], atol=0, rtol=0)
+    (_, _), (m_kept, m_none) = kg.mxfp8_quantize_grouped(
+        x, layout, True, True, (True, False), (False, False)
+    )
+    assert m_none is None and m_kept.data.shape == m_full[1][0].data.shape
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "nvfp4_fwd_mxfp8_bwd", "mxfp8"])
+def test_dq_only_activations_give_the_same_step(name, monkeypatch):
+    """gemm/grouped.py's DQ_ONLY_ACTIVATIONS: the emulated GEMMs read only the activation
+    copies' `_dq`, so writing them without codes gives the same output, grad_input and
+    grad_weight bit for bit (stochastic rounding on, one seed), and the switch does reach
+    the kernels (the forward's row copy and both backward copies are made without codes)."""
+    recipe = recipes.get(name)
+    sizes, tail = GROUPINGS["uneven-with-empty-and-tail"]
+    x, w, grad, offs = _data(sizes, tail, k=64, n=64)
+    _kernels_on(monkeypatch)
+    kg = _library.kernels()
+    asked = []
+
+    def spy(fn):
+        def call(*args, **kwargs):
+            asked.append(kwargs.get("codes", (True, True)))
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name_ in ("nvfp4_quantize_grouped", "mxfp8_quantize_grouped"):
+        monkeypatch.setattr(kg, name_, spy(getattr(kg, name_)))
+    steps = {}
+    for dq_only in (False, True):
+        monkeypatch.setattr(gemm_grouped, "DQ_ONLY_ACTIVATIONS", dq_only)
+        asked.clear()
+        torch.manual_seed(5)
+        steps[dq_only] = _grouped_step(x, w, grad, offs, recipe)
+        assert asked and all(codes == (not dq_only,) * 2 for codes in asked), asked
+    for got, want in zip(steps[True], steps[False]):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 def test_grouped_stochastic_rounding_draws_the_dense_kernels_stream():
     """One expert holding every row: the grouped kernel's stochastic copies round with the
     stream of kernels.nvfp4.sr_uniforms over positions (rows) and over tokens (columnwise,

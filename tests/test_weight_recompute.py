@@ -406,10 +406,10 @@ def test_grouped_mm_makes_both_mxfp8_expert_copies_from_one_read(monkeypatch):
     launch = kg._mxfp8_quantize_grouped_2d
     expert_launches: list[tuple[bool, bool]] = []
 
-    def spy(x, source, row, col, dq_row, dq_col):
+    def spy(x, source, row, col, dq_row, dq_col, *codes):
         if source is None:  # the expert weights' rows (activations walk a layout)
             expert_launches.append((row, col))
-        return launch(x, source, row, col, dq_row, dq_col)
+        return launch(x, source, row, col, dq_row, dq_col, *codes)
 
     monkeypatch.setattr(kg, "_mxfp8_quantize_grouped_2d", spy)
     x, w, go, offs = grouped_inputs()

@@ -59,6 +59,24 @@ def packed_weight_rule(weight: torch.Tensor) -> bool:
     return PACKED_WEIGHT and _library.use_kernels(weight)
 
 
+# Whether a grouped activation copy that feeds only emulated GEMMs (the forward's row copy, the
+# backward's two gradient copies) is written as its `_dq` alone: those GEMMs read nothing else,
+# and nothing keeps the copy, so its codes and scales were bytes written for no reader (NVFP4
+# 0.56 of the 2.56 bytes a value each copy writes, MXFP8 1.03 of 3.03). The `_dq` bits are the
+# same (tests/test_grouped_mm.py). On since 2026-11-29, before it was timed on a GPU: the
+# machine code per launch, compiled for sm_90 on the CPU, is in docs/KERNELS.md
+# ("Activation copies without their codes"). A benchmark sets it off to compare.
+DQ_ONLY_ACTIVATIONS = True
+
+
+def activation_codes(backend: Backend | str, device: torch.device) -> bool:
+    """Whether a grouped activation copy made with its `_dq` must also hold its codes: where
+    the GEMMs may run natively (which reads codes and scales), or `DQ_ONLY_ACTIVATIONS` is
+    off. The one place ops/grouped_mm.py asks."""
+    native_backend = resolve_grouped_backend(backend, device) is Backend.NATIVE
+    return native_backend or not DQ_ONLY_ACTIVATIONS
+
+
 @dataclass
 class TransposedExperts:
     """Stands for the [E, K, N] transpose of 16x16 NVFP4 expert weights [E, N, K]: exact, as a

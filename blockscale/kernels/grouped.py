@@ -27,6 +27,8 @@ Bytes: as the dense kernels, plus 8 bytes a position for the layout (source and 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -207,11 +209,13 @@ def _nvfp4_grouped_kernel(
     ROW: tl.constexpr, COL: tl.constexpr, ROW_2D: tl.constexpr, ROW_SR: tl.constexpr,
     COL_SR: tl.constexpr, COL_HAD: tl.constexpr, DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr,
     GATHER: tl.constexpr, band, DOT_F32: tl.constexpr, HW: tl.constexpr, BM: tl.constexpr,
-    BK: tl.constexpr, ONE_GROUP: tl.constexpr = False,
+    BK: tl.constexpr, ONE_GROUP: tl.constexpr = False, ROW_CODES: tl.constexpr = True,
+    COL_CODES: tl.constexpr = True,
 ):  # fmt: skip
     """ONE_GROUP: every tile's BM positions lie in one group (the launcher's `_one_group`),
     so each global scale is computed once a program, as in the dense kernel, instead of once
-    per row and per 16-position block (two IEEE divisions each)."""
+    per row and per 16-position block (two IEEE divisions each). ROW_CODES / COL_CODES False
+    (with that copy's DQ): the copy's `_dq` alone, its codes and scales not stored."""
     tile_p, tile_k = band_tile(band)
     p0 = tile_p * BM
     k0 = tile_k * BK
@@ -234,7 +238,7 @@ def _nvfp4_grouped_kernel(
             x.to(tl.float32), s_dec, mult, u, BM, BK, ROW_2D, ROW_SR, DQ_ROW, HW
         )
         store_rows(packed, scode, dq, data_ptr, scale_ptr, dq_ptr, src, valid, k0, K, BK,
-                      DQ_ROW)  # fmt: skip
+                      DQ_ROW, ROW_CODES)  # fmt: skip
     if COL:
         if ONE_GROUP:
             s_dec_t, mult_t = nvfp4_global(tl.load(amax_col_ptr + g0, mask=g0 < E, other=0.0))
@@ -248,7 +252,7 @@ def _nvfp4_grouped_kernel(
         u_t = _uniforms(seed_ptr, seed_ptr, k0, p0, K, P, base, BK, BM, COL_SR, False, True)
         quantize_columns(x, s_dec_t, mult_t, u_t, h_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
                          k0, p0, K, P, BK, BM, False, COL_SR, COL_HAD, DQ_COL, DOT_F32,
-                         HW)  # fmt: skip
+                         HW, COL_CODES)  # fmt: skip
 
 
 @triton.jit
@@ -257,8 +261,10 @@ def _mxfp8_grouped_kernel(
     data_ptr, scale_ptr, dq_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
     ROW: tl.constexpr, COL: tl.constexpr, DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr,
     HW_FP8: tl.constexpr, GATHER: tl.constexpr, band, DOT_F32: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, ROW_CODES: tl.constexpr = True,
+    COL_CODES: tl.constexpr = True,
 ):  # fmt: skip
+    """ROW_CODES / COL_CODES False (with that copy's DQ): the copy's `_dq` alone."""
     tile_p, tile_k = band_tile(band)
     p0 = tile_p * BM
     k0 = tile_k * BK
@@ -268,10 +274,10 @@ def _mxfp8_grouped_kernel(
     if ROW:
         byte, ecode, dq, _ = _mx_tile(x.to(tl.float32), BM, BK, HW_FP8)
         store_mx_rows(byte, ecode, dq, data_ptr, scale_ptr, dq_ptr, src, valid, k0, K, BK,
-                         DQ_ROW)  # fmt: skip
+                         DQ_ROW, ROW_CODES)  # fmt: skip
     if COL:
         quantize_columns_mx(x, data_t_ptr, scale_t_ptr, dq_t_ptr, k0, p0, K, P, BK, BM, DQ_COL,
-                            HW_FP8, DOT_F32)  # fmt: skip
+                            HW_FP8, DOT_F32, COL_CODES)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -322,19 +328,26 @@ def _nvfp4_quantize_grouped_2d(
     col_hadamard: bool,
     dq_row: bool,
     dq_col: bool,
+    row_codes: bool = True,
+    col_codes: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] walked through `source` (None: its own rows) -> the row copy (data [M, K/2],
     scale [M, K/16], dq [M, K]) and the token copy ([K, P/2], [K, P/16], [K, P]); amax_* [E]
-    per group, `group` [P] int32. Unused outputs are empty; scales are raw E4M3 bytes."""
+    per group, `group` [P] int32. Unused outputs are empty; scales are raw E4M3 bytes.
+    `row_codes` / `col_codes` False with that copy's `_dq`: the `_dq` alone, its codes and
+    scales empty ([0, K/2], [0, K/16]; an emulated GEMM's operand, read once and not kept)."""
     M, K = x.shape
     P = source.shape[0] if source is not None else M
     E = amax_row.shape[0] if row else amax_col.shape[0]
     dev = x.device
     dq_row, dq_col = dq_row and row, dq_col and col
+    row_codes, col_codes = row_codes or not dq_row, col_codes or not dq_col
     data, scale, dq_r = (
-        nv._empty_like_spec(M, K, dev, dq_row) if row else nv._empty_like_spec(0, 0, dev, False)
+        nv._empty_like_spec(M, K, dev, dq_row, codes=row_codes)
+        if row
+        else nv._empty_like_spec(0, 0, dev, False)
     )
-    data_t, scale_t, dq_c = nv._empty_like_spec(K, P, dev, dq_col) if col else nv._empty_like_spec(0, 0, dev, False)  # fmt: skip
+    data_t, scale_t, dq_c = nv._empty_like_spec(K, P, dev, dq_col, codes=col_codes) if col else nv._empty_like_spec(0, 0, dev, False)  # fmt: skip
     if P == 0 or K == 0 or not (row or col):
         return data, scale, dq_r, data_t, scale_t, dq_c
     kind = launch_kind(row, col, dq_row or dq_col, (row and row_sr) or (col and col_sr))
@@ -348,7 +361,7 @@ def _nvfp4_quantize_grouped_2d(
         DQ_ROW=dq_row, DQ_COL=dq_col, GATHER=source is not None, band=band,
         DOT_F32=dot_in_fp32(x), HW=not interpreting(),
         BM=bm, BK=bk, ONE_GROUP=kind in ONE_GROUP_KINDS and _one_group(source is not None, P, E, bm),
-        **options,
+        ROW_CODES=row_codes, COL_CODES=col_codes, **options,
     )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c
 
@@ -382,16 +395,26 @@ def _mxfp8_quantize_grouped_2d(
     col: bool,
     dq_row: bool,
     dq_col: bool,
+    row_codes: bool = True,
+    col_codes: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] walked through `source` (None: its own rows) -> the row copy ([M, K] E4M3
     bytes, [M, K/32] E8M0 bytes, dq) and the token copy ([K, P], [K, P/32], dq); unused
-    outputs are empty."""
+    outputs are empty. `row_codes` / `col_codes` False with that copy's `_dq`: the `_dq`
+    alone, its bytes and scales empty ([0, K], [0, K/32])."""
     M, K = x.shape
     P = source.shape[0] if source is not None else M
     dev = x.device
     dq_row, dq_col = dq_row and row, dq_col and col
-    data, scale, dq_r = mx._outputs(M, K, dev, dq_row) if row else mx._outputs(0, 0, dev, False)
-    data_t, scale_t, dq_c = mx._outputs(K, P, dev, dq_col) if col else mx._outputs(0, 0, dev, False)
+    row_codes, col_codes = row_codes or not dq_row, col_codes or not dq_col
+    if row:
+        data, scale, dq_r = mx._outputs(M, K, dev, dq_row, codes=row_codes)
+    else:
+        data, scale, dq_r = mx._outputs(0, 0, dev, False)
+    if col:
+        data_t, scale_t, dq_c = mx._outputs(K, P, dev, dq_col, codes=col_codes)
+    else:
+        data_t, scale_t, dq_c = mx._outputs(0, 0, dev, False)
     if P and K and (row or col):
         kind = launch_kind(row, col, dq_row or dq_col)
         bm, bk, options = launch_tiles(TILES.get(f"mxfp8:{kind}", mx.TILES[kind]))
@@ -401,7 +424,7 @@ def _mxfp8_quantize_grouped_2d(
             data, scale, dq_r.view(torch.int16), data_t, scale_t, dq_c.view(torch.int16),
             ROW=row, COL=col, DQ_ROW=dq_row, DQ_COL=dq_col, HW_FP8=not interpreting(),
             GATHER=source is not None, band=band, DOT_F32=dot_in_fp32(x), BM=bm, BK=bk,
-            **options,
+            ROW_CODES=row_codes, COL_CODES=col_codes, **options,
         )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c
 
@@ -434,7 +457,8 @@ def _expert_rows(
 
 
 def _nvfp4_grouped(data, scale, amax, shape, block, hadamard) -> NVFP4Tensor:
-    lead = shape[:-1]
+    """(A copy written without its codes keeps its empty [0, C/2] and [0, C/16].)"""
+    lead = shape[:-1] if data.numel() or not math.prod(shape) else (0,)
     return NVFP4Tensor(
         data.reshape(*lead, shape[-1] // 2),
         scale.view(torch.float8_e4m3fn).reshape(*lead, shape[-1] // 16),
@@ -454,13 +478,16 @@ def nvfp4_quantize_grouped(
     return_dq: tuple[bool, bool] = (True, False),
     amax: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     generator: torch.Generator | None = None,
+    codes: tuple[bool, bool] = (True, True),
 ):
     """The row copy of grouped x [M, C] (1x16 along C, rounding `rows`) and its token copy
     ([C, P] in `layout`, rounding `tokens`, optionally Hadamard) from one read of x; a None
     rounding skips that copy. Returns ((q_row, dq_row), (q_tok, dq_tok)) with None for what
     was skipped or not asked for in `return_dq`. Group amaxes are computed in one fused pass
     unless given in `amax` (row, tokens). Equals formats.grouped's nvfp4_quantize_rows /
-    nvfp4_quantize_tokens bit for bit (nearest rounding)."""
+    nvfp4_quantize_tokens bit for bit (nearest rounding). `codes` (row, tokens) False for a
+    copy whose `_dq` is asked for: that `_dq` alone, the container's data and scale empty
+    (for a caller that reads only the `_dq`)."""
     want_row, want_tok = rows is not None, tokens is not None
     amax_r, amax_t = amax
     find_row = want_row and amax_r is None
@@ -480,6 +507,7 @@ def nvfp4_quantize_grouped(
         amax_r if want_row else dummy, amax_t if want_tok else dummy, seed,
         row=want_row, col=want_tok, row_2d=False, row_sr=sr_row, col_sr=sr_tok,
         col_hadamard=hadamard, dq_row=return_dq[0], dq_col=return_dq[1],
+        row_codes=codes[0], col_codes=codes[1],
     )  # fmt: skip
     row_out = tok_out = None
     if want_row:
@@ -535,19 +563,28 @@ def mxfp8_quantize_grouped(
     rows: bool = True,
     tokens: bool = False,
     return_dq: tuple[bool, bool] = (True, False),
+    codes: tuple[bool, bool] = (True, True),
 ):
     """MXFP8 row copy of grouped x [M, C] and its token copy ([C, P] in `layout`) from one
-    read of x; ((q_row, dq_row) | None, (q_tok, dq_tok) | None)."""
+    read of x; ((q_row, dq_row) | None, (q_tok, dq_tok) | None). `codes` as in
+    `nvfp4_quantize_grouped`: False for a copy with its `_dq`, that `_dq` alone."""
     data, scale, dq, data_t, scale_t, dq_t = _mxfp8_quantize_grouped_2d(
-        x, layout.source, rows, tokens, return_dq[0], return_dq[1]
+        x, layout.source, rows, tokens, return_dq[0], return_dq[1], codes[0], codes[1]
     )
     row_out = tok_out = None
     if rows:
-        row_out = (mx._container(data, scale, x.shape), dq if return_dq[0] else None)
+        row_out = (_mxfp8_grouped(data, scale, x.shape), dq if return_dq[0] else None)
     if tokens:
         shape = torch.Size((x.shape[1], layout.capacity))
-        tok_out = (mx._container(data_t, scale_t, shape), dq_t if return_dq[1] else None)
+        tok_out = (_mxfp8_grouped(data_t, scale_t, shape), dq_t if return_dq[1] else None)
     return row_out, tok_out
+
+
+def _mxfp8_grouped(data, scale, shape) -> MXFP8Tensor:
+    """(A copy written without its codes keeps its empty [0, C] and [0, C/32].)"""
+    if data.numel() or not math.prod(shape):
+        return mx._container(data, scale, shape)
+    return MXFP8Tensor(data.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu), shape)
 
 
 def _mxfp8_experts(w: torch.Tensor, row: bool, col: bool, dq_row: bool, dq_col: bool):

@@ -84,28 +84,30 @@ def _mx_tile(v, R: tl.constexpr, C: tl.constexpr, HW_FP8: tl.constexpr):
 @triton.jit
 def _store_mx(
     byte, ecode, dq, data_ptr, scale_ptr, dq_ptr, r0, c0, n_rows, n_cols,
-    R: tl.constexpr, C: tl.constexpr, DQ: tl.constexpr,
+    R: tl.constexpr, C: tl.constexpr, DQ: tl.constexpr, CODES: tl.constexpr = True,
 ):  # fmt: skip
     rows = (r0 + tl.arange(0, R)).to(tl.int64)  # (a stack of expert weights: > 2^31 values)
     store_mx_rows(byte, ecode, dq, data_ptr, scale_ptr, dq_ptr, rows, rows < n_rows, c0, n_cols,
-                  C, DQ)  # fmt: skip
+                  C, DQ, CODES)  # fmt: skip
 
 
 @triton.jit
 def store_mx_rows(
     byte, ecode, dq, data_ptr, scale_ptr, dq_ptr, rows, rmask, c0, n_cols,
-    C: tl.constexpr, DQ: tl.constexpr,
+    C: tl.constexpr, DQ: tl.constexpr, CODES: tl.constexpr = True,
 ):  # fmt: skip
-    """Store an MXFP8 tile's rows at the row indices `rows` (where `rmask`)."""
+    """Store an MXFP8 tile's rows at the row indices `rows` (where `rmask`). CODES False: the
+    `_dq` only (its caller reads nothing else)."""
     cols = c0 + tl.arange(0, C)
     m = rmask[:, None] & (cols < n_cols)[None, :]
-    tl.store(data_ptr + rows[:, None] * n_cols + cols[None, :], byte, mask=m)
-    sc = c0 // 32 + tl.arange(0, C // 32)
-    tl.store(
-        scale_ptr + rows[:, None] * (n_cols // 32) + sc[None, :],
-        ecode,
-        mask=rmask[:, None] & (sc < n_cols // 32)[None, :],
-    )
+    if CODES:
+        tl.store(data_ptr + rows[:, None] * n_cols + cols[None, :], byte, mask=m)
+        sc = c0 // 32 + tl.arange(0, C // 32)
+        tl.store(
+            scale_ptr + rows[:, None] * (n_cols // 32) + sc[None, :],
+            ecode,
+            mask=rmask[:, None] & (sc < n_cols // 32)[None, :],
+        )
     if DQ:
         tl.store(dq_ptr + rows[:, None] * n_cols + cols[None, :], dq, mask=m)
 
@@ -140,10 +142,10 @@ def _mxfp8_quantize_kernel(
 def quantize_columns_mx(
     x, data_t_ptr, scale_t_ptr, dq_t_ptr, k0, m0, K, M,
     BK: tl.constexpr, BM: tl.constexpr, DQ_COL: tl.constexpr, HW_FP8: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, CODES: tl.constexpr = True,
 ):  # fmt: skip
     """The columnwise MXFP8 copy of a loaded [BM, BK] tile x, stored at (k0, m0) of the [K, M]
-    outputs. Shared by the dense and the grouped kernels."""
+    outputs (CODES False: its `_dq` only). Shared by the dense and the grouped kernels."""
     # The identity product moves each 32-block into one thread (docs/LOG.md); Inf * 0
     # in it makes NaN, so a tile with Inf or NaN is redone from the plain transpose.
     xt = tl.trans(x)
@@ -151,13 +153,13 @@ def quantize_columns_mx(
     if finite:
         _store_mx(
             byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
-            k0, m0, K, M, BK, BM, DQ_COL,
+            k0, m0, K, M, BK, BM, DQ_COL, CODES,
         )  # fmt: skip
     else:
         byte_t, ecode_t, dq_t, _ = _mx_tile(xt.to(tl.float32), BK, BM, HW_FP8)
         _store_mx(
             byte_t, ecode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
-            k0, m0, K, M, BK, BM, DQ_COL,
+            k0, m0, K, M, BK, BM, DQ_COL, CODES,
         )  # fmt: skip
 
 
@@ -208,10 +210,10 @@ TILES = {
 }
 
 
-def _outputs(rows: int, cols: int, device, dq: bool):
+def _outputs(rows: int, cols: int, device, dq: bool, codes: bool = True):
     return (
-        torch.empty(rows, cols, dtype=torch.uint8, device=device),
-        torch.empty(rows, cols // BLOCK, dtype=torch.uint8, device=device),
+        torch.empty(rows if codes else 0, cols, dtype=torch.uint8, device=device),
+        torch.empty(rows if codes else 0, cols // BLOCK, dtype=torch.uint8, device=device),
         torch.empty(rows if dq else 0, cols if dq else 0, dtype=torch.bfloat16, device=device),
     )
 

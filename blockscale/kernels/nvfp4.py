@@ -359,10 +359,12 @@ def quantize_columns(
     x, s_dec_t, mult_t, u_t, h_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr, k0, m0, K, M,
     BK: tl.constexpr, BM: tl.constexpr, COL_2D: tl.constexpr, COL_SR: tl.constexpr,
     COL_HAD: tl.constexpr, DQ_COL: tl.constexpr, DOT_F32: tl.constexpr, HW: tl.constexpr,
+    CODES: tl.constexpr = True,
 ):  # fmt: skip
     """The columnwise copy of a loaded [BM, BK] tile x (blocks along its BM rows, optionally
-    Hadamard-transformed) stored at (k0, m0) of the [K, M] outputs. Shared by the dense and
-    the grouped kernels. HW: the GPU (not the interpreter) rounds the transform to BF16."""
+    Hadamard-transformed) stored at (k0, m0) of the [K, M] outputs (CODES False: its `_dq`
+    only). Shared by the dense and the grouped kernels. HW: the GPU (not the interpreter)
+    rounds the transform to BF16."""
     xt = tl.trans(x)
     if COL_HAD:
         vt = hadamard_16(xt, h_ptr, BK, BM, DOT_F32, HW)
@@ -374,7 +376,7 @@ def quantize_columns(
     if COL_HAD or finite:
         _store_quantized(
             packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
-            k0, m0, K, M, BK, BM, DQ_COL,
+            k0, m0, K, M, BK, BM, DQ_COL, CODES,
         )  # fmt: skip
     else:
         # Inf * 0 in the identity product made NaN: redo this tile from the plain transpose.
@@ -383,7 +385,7 @@ def quantize_columns(
         )
         _store_quantized(
             packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
-            k0, m0, K, M, BK, BM, DQ_COL,
+            k0, m0, K, M, BK, BM, DQ_COL, CODES,
         )  # fmt: skip
 
 

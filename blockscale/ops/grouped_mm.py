@@ -59,6 +59,7 @@ from blockscale.gemm.dispatch import Backend
 from blockscale.gemm.grouped import (
     Operand,
     TransposedExperts,
+    activation_codes,
     grouped_mm_rows,
     grouped_mm_tokens,
     packed_weight_rule,
@@ -206,7 +207,10 @@ class _GroupedMM(torch.autograd.Function):
         layout = token_layout(offs, input.shape[0])
         with autocast_off(input.device.type):
             wgrad_cfg = recipe.grad_weight.input_t if ctx.needs_input_grad[1] else None
-            x_lp, x_t = quantize_grouped(input, offs, layout, recipe.output.input, wgrad_cfg)
+            x_lp, x_t = quantize_grouped(
+                input, offs, layout, recipe.output.input, wgrad_cfg,
+                codes=activation_codes(backend, input.device),
+            )  # fmt: skip
             w_cfg = recipe.output.weight
             dgrad_cfg = recipe.grad_input.weight
             ctx.shared = dgrad_cfg.block == "16x16" and dgrad_cfg == recipe.output.weight
@@ -269,6 +273,7 @@ class _GroupedMM(torch.autograd.Function):
                 recipe.grad_input.grad_output if ctx.needs_input_grad[0] else None,
                 recipe.grad_weight.grad_output_t if ctx.needs_input_grad[1] else None,
                 tokens_dq=True,
+                codes=activation_codes(ctx.backend, grad_output.device),
             )
             if ctx.needs_input_grad[0]:
                 if ctx.recompute:

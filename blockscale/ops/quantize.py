@@ -435,19 +435,26 @@ def quantize_grouped(
     tokens: OperandConfig | None,
     generator: torch.Generator | None = None,
     tokens_dq: bool = False,
+    *,
+    codes: bool = True,
 ) -> tuple[QuantizedOperand | None, QuantizedOperand | None]:
     """The two copies of a grouped activation [M, C] (formats/grouped.py): along C per `row`,
     each row with its group's amax (it feeds a GEMM now: its `_dq` is made with it), and along
     the tokens per `tokens` into the token layout [C, P] (`tokens_dq`: also its `_dq`). A None
     config skips that copy. Where both share a format the kernels make them from one read of
     x; nothing waits for the host. The CPU reference loops over the groups on the host.
-    Stochastic draws: the row copy first."""
+    Stochastic draws: the row copy first. `codes=False`: each copy made with its `_dq` (the
+    row copy; the token copy with `tokens_dq`) is written as its `_dq` alone, the result's
+    `data` and `scale` empty, for a caller whose GEMMs read only the `_dq` (the emulated
+    ones) and that keeps nothing of it; the reference path writes them as usual."""
     for cfg in (row, tokens):
         if cfg is not None and not cfg.quantized:
             raise ValueError("a grouped GEMM quantizes every operand (or none: the bf16 recipe)")
     if row is not None and tokens is not None and row.format is not tokens.format:
-        row_lp, _ = quantize_grouped(x, offs, layout, row, None, generator)
-        _, tok_lp = quantize_grouped(x, offs, layout, None, tokens, generator, tokens_dq)
+        row_lp, _ = quantize_grouped(x, offs, layout, row, None, generator, codes=codes)
+        _, tok_lp = quantize_grouped(
+            x, offs, layout, None, tokens, generator, tokens_dq, codes=codes
+        )
         return row_lp, tok_lp
     fmt = (row or tokens).format  # type: ignore[union-attr]
     if _library.use_kernels(x):
@@ -460,11 +467,12 @@ def quantize_grouped(
                 hadamard=bool(tokens and tokens.hadamard),
                 return_dq=(True, tokens_dq),
                 generator=generator,
+                codes=(codes, codes),
             )
         else:
             row_out, tok_out = _kernels().mxfp8_quantize_grouped(
                 x, layout, rows=row is not None, tokens=tokens is not None,
-                return_dq=(True, tokens_dq),
+                return_dq=(True, tokens_dq), codes=(codes, codes),
             )  # fmt: skip
         row_lp = None if row_out is None else as_operand(*row_out)
         tok_lp = None if tok_out is None else as_operand(*tok_out)
