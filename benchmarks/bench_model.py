@@ -514,6 +514,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="BF16 GEMM outputs without alpha or bias (MXFP8) from the fused "
                              "kernel, not cuBLAS with FP32 split-K reduction (gemm/dispatch.py's "
                              "CUBLAS_BF16_OUT off, as before 2026-11-26)")  # fmt: skip
+    parser.add_argument("--activation-codes", action="store_true",
+                        help="activation copies that feed only emulated GEMMs written with their "
+                             "codes and scales too (DQ_ONLY_ACTIVATIONS off in ops/linear.py and "
+                             "gemm/grouped.py, as before 2026-11-29)")  # fmt: skip
     parser.add_argument("--fp32-fused-max-k", type=int, default=None, metavar="K",
                         help="FP32 GEMM outputs with a contraction of at most K run the fused "
                              "kernel, longer ones cuBLAS scaled in place (gemm/dispatch.py's "
@@ -528,6 +532,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.batch_size, args.seq_len, args.warmup, args.steps = 2, 32, 1, 2
     return args
+
+
+def set_activation_codes(full: bool) -> None:
+    """With `full`, every activation copy is written with its codes (the linears' and the
+    grouped GEMMs' DQ_ONLY_ACTIVATIONS off: the code before 2026-11-29); else the default."""
+    import importlib  # noqa: PLC0415
+
+    for module in ("blockscale.ops.linear", "blockscale.gemm.grouped"):
+        importlib.import_module(module).DQ_ONLY_ACTIVATIONS = not full
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -548,6 +561,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ops_linear.RECOMPUTE_WEIGHT = not args.no_recompute_weight
     dispatch = importlib.import_module("blockscale.gemm.dispatch")
     dispatch.CUBLAS_BF16_OUT = not args.no_cublas_bf16_out
+    set_activation_codes(args.activation_codes)
     if args.fp32_fused_max_k is not None:
         dispatch.FUSED_FP32_MAX_K = args.fp32_fused_max_k
     replaced.apply(args)  # (for the rest of this process)

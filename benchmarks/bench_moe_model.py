@@ -45,7 +45,9 @@ cross-entropy, backward, clipping at 1.0, fused AdamW. "compile" is plain
   allocations live there, by the code that made them (bench_model.memory_peak_step).
   --no-weight-cache runs every row (and its memory process) with the weight cache off;
   --fp32-grad-weight-launch LAUNCH sets kernels/grouped_gemm.py's TOKENS_FP32_LAUNCH (how the
-  experts' FP32-output grad_weight GEMMs run: per_tile, halves, pointers).
+  experts' FP32-output grad_weight GEMMs run: per_tile, halves, pointers);
+  --activation-codes writes every activation copy with its codes, as before 2026-11-29 (the
+  emulated GEMMs read only the `_dq`; docs/KERNELS.md, "Activation copies without their codes").
 
 Sized for one model per 10-minute device call (both modes, bf16 / nvfp4 / mxfp8 and six memory
 processes; not yet timed on a GPU): split with --models, and --eager / --compile if a model
@@ -235,6 +237,8 @@ def peak_alone(name: str, mode: str, recipe: str, args) -> dict[str, Any]:
             command.append("--no-weight-cache")
         if args.fp32_grad_weight_launch:
             command += ["--fp32-grad-weight-launch", args.fp32_grad_weight_launch]
+        if args.activation_codes:
+            command.append("--activation-codes")
         if args.device:
             command += ["--device", args.device]
         try:
@@ -296,6 +300,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fp32-grad-weight-launch", choices=["per_tile", "halves", "pointers"],
                         help="how FP32-output grad_weight GEMMs run "
                              "(kernels/grouped_gemm.py TOKENS_FP32_LAUNCH)")  # fmt: skip
+    parser.add_argument("--activation-codes", action="store_true",
+                        help="activation copies that feed only emulated GEMMs written with their "
+                             "codes too (bench_model.set_activation_codes)")  # fmt: skip
     parser.add_argument("--device", default=None)
     parser.add_argument("--smoke", action="store_true",
                         help="CPU smoke test: the tiny models (unless --models), batch 2, "
@@ -320,6 +327,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         from blockscale.kernels import grouped_gemm  # noqa: PLC0415 (needs Triton)
 
         grouped_gemm.TOKENS_FP32_LAUNCH = args.fp32_grad_weight_launch
+    bench_model.set_activation_codes(args.activation_codes)
     device = harness.pick_device(args.device)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in MODELS]

@@ -142,6 +142,24 @@ def cases(x: torch.Tensor) -> list[tuple[str, str, Callable[[], Any], float]]:
             ),
             2 * nv1 - 2 * n + 4 * n,
         ),
+        # as the emulated linear makes them (ops/linear.py, DQ_ONLY_ACTIVATIONS): each copy
+        # with its `_dq` written without its codes and scales
+        (
+            "nvfp4 both + row dq, dq only (forward input)",
+            "nvfp4:both_dq",
+            lambda: kernels.quantize_both_2d(
+                x, False, False, False, False, True, amax, amax_t, True, False, None, False
+            ),
+            nv1 + 2 * n,
+        ),
+        (
+            "nvfp4 both SR + dq, dq only (grad_output)",
+            "nvfp4:both_sr_dq",
+            lambda: kernels.quantize_both_2d(
+                x, False, True, False, True, True, amax, amax_t, True, True, None, False
+            ),
+            2 * n + 4 * n,
+        ),
         (
             "nvfp4 rowwise + amax pass",
             "nvfp4:row",
@@ -174,6 +192,12 @@ def cases(x: torch.Tensor) -> list[tuple[str, str, Callable[[], Any], float]]:
             "mxfp8:both_dq",
             lambda: kernels.mxfp8_quantize_both(x, return_dq=True),
             2 * mx1 - 2 * n + 4 * n,
+        ),
+        (
+            "mxfp8 both + dq, dq only (grad_output)",
+            "mxfp8:both_dq",
+            lambda: kernels.mxfp8_quantize_both(x, return_dq=True, codes=False),
+            2 * n + 4 * n,
         ),
         (
             "mxfp8 dequantize dq",

@@ -39,6 +39,15 @@
 #                                      --gemms), then the Mixtral-like model compiled with
 #                                      each launch in LAUNCHES (all three), one process each
 #                                      (~4 min; LAUNCHES="halves pointers" for fewer)
+#   scripts/gpu_check.sh dqonly OUT    activation copies written as their `_dq` alone (built
+#                                      2026-11-29, not yet timed): their GPU tests, then each
+#                                      MoE model's activation launches full and `dq only`
+#                                      (bench_moe_kernels) and bench_quantize's dense rows
+#                                      (~5 min)
+#   scripts/gpu_check.sh dqonly-models OUT  the same in the models: compiled Mixtral-like and
+#                                      llama-1b, BF16 / nvfp4 / mxfp8, with the new default and
+#                                      with --activation-codes (as before), one process each
+#                                      (~9 min)
 #   scripts/gpu_check.sh dist OUT      two GPUs: the gpu-marked distributed tests (NCCL), then
 #                                      bench_distributed.py suite --parts "${PARTS:-exact,ep}"
 #                                      (HF_MODELS=llama-1b,..., HF_RANKS [0,2: one GPU
@@ -52,7 +61,7 @@ set -uo pipefail
 PYTHON=${PYTHON:-python3}
 part=${1:-}
 out=${2:-}
-[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,49p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,58p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -130,6 +139,21 @@ gradweight)
             --recipes bf16,nvfp4,mxfp8 --steps 4 --warmup 1 --fp32-grad-weight-launch "$launch" \
             --out "$out/moe_mixtral_compiled_$launch.json"
     done ;;
+dqonly)
+    step "$PYTHON" -m pytest -q -rf -m gpu -p no:cacheprovider tests/test_grouped_mm.py \
+        tests/test_linear.py tests/test_kernels_nvfp4.py tests/test_kernels_mxfp8.py
+    step "$PYTHON" benchmarks/bench_moe_kernels.py --models mixtral deepseek-v3 \
+        --json "$out/moe_kernels_dq_only.json"
+    step "$PYTHON" benchmarks/bench_quantize.py --json "$out/bench_quantize_dq_only.json" ;;
+dqonly-models)
+    for codes in "" --activation-codes; do
+        step "$PYTHON" benchmarks/bench_moe_model.py --models mixtral --compile --memory none \
+            --recipes bf16,nvfp4,mxfp8 --steps 4 --warmup 1 $codes \
+            --out "$out/moe_mixtral_compiled${codes:+_full_codes}.json"
+        step "$PYTHON" benchmarks/bench_model.py --models llama-1b --compile \
+            --recipes bf16,nvfp4,mxfp8 --steps 5 --warmup 1 $codes \
+            --out "$out/llama_1b_compiled${codes:+_full_codes}.json"
+    done ;;
 dist)
     [ "${TESTS:-1}" = 1 ] && step "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider \
         tests/test_distributed_*.py
@@ -138,7 +162,7 @@ dist)
         ${HF_BATCH:+--hf-batch "$HF_BATCH"} ${HF_MODES:+--hf-modes "$HF_MODES"} \
         --json "$out/bench_distributed${TAG:+_$TAG}.json" ;;
 *) echo "unknown part '$part': tests, kernels, ab, sweep, linear, models, cublas, moe, train," \
-        "gradweight or dist" >&2
+        "gradweight, dqonly, dqonly-models or dist" >&2
    exit 2 ;;
 esac
 echo "gpu_check $part: exit status $status (log $log)"

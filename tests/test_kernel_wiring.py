@@ -120,3 +120,77 @@ def test_fp32_outputs_take_the_fused_kernel_up_to_fused_fp32_max_k(max_k, monkey
     assert contractions == [k for k in (64, 96, 48) if k <= max_k]
     for got, want, what in zip(kernel, reference, ("output", "grad_input", "grad_weight")):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=f"{what}")
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "nvfp4_fwd_mxfp8_bwd", "mxfp8"])
+def test_dq_only_activations_give_the_same_step(name, monkeypatch):
+    """ops/linear.py's DQ_ONLY_ACTIVATIONS: an emulated GEMM reads only an activation copy's
+    `_dq`, so writing the forward's input copy along K and both grad_output copies without
+    their codes gives the same output, grad_input and grad_weight bit for bit (stochastic
+    rounding on, one seed); and the switch reaches the launches that make both copies of an
+    activation from one read (NVFP4 and MXFP8; every recipe makes at least one)."""
+    import importlib
+
+    from blockscale import kernels as bk
+
+    ops_linear = importlib.import_module("blockscale.ops.linear")
+    recipe = recipes.get(name)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 32, 64, generator=g).bfloat16()
+    w = torch.randn(96, 64, generator=g)
+    monkeypatch.setattr(_library, "use_kernels", lambda t: True)
+    asked: list[bool] = []
+
+    def spy(fn, codes_of):
+        def call(*args, **kwargs):
+            asked.append(codes_of(args, kwargs))
+            return fn(*args, **kwargs)
+
+        return call
+
+    launchers = {  # (ops/quantize.py passes quantize_both_2d's codes as its 12th argument)
+        "quantize_both_2d": lambda a, kw: a[11] if len(a) > 11 else kw.get("codes", True),
+        "mxfp8_quantize_both": lambda a, kw: kw.get("codes", True),
+    }
+    for attr, codes_of in launchers.items():
+        monkeypatch.setattr(bk, attr, spy(getattr(bk, attr), codes_of))
+    steps = {}
+    for dq_only in (False, True):
+        monkeypatch.setattr(ops_linear, "DQ_ONLY_ACTIVATIONS", dq_only)
+        asked.clear()
+        torch.manual_seed(5)
+        steps[dq_only] = _step(x, w, None, recipe)
+        assert asked and all(codes == (not dq_only) for codes in asked), asked
+    for got, want in zip(steps[True], steps[False]):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_both_copies_without_codes_give_the_same_dq():
+    """The launches that make both copies of an activation from one read, `codes=False`: each
+    copy with its `_dq` is written as the `_dq` alone (data and scale empty), the `_dq` bits
+    those of the full launch; a copy without its `_dq` keeps its codes."""
+    from blockscale import kernels as bk
+
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
+    x[3, 5] = 40.0
+    args = (x, False, True, False, True, True, None, None)
+    for dq_col in (True, False):
+        full = bk.quantize_both_2d(*args, True, dq_col, torch.Generator().manual_seed(4))
+        bare = bk.quantize_both_2d(*args, True, dq_col, torch.Generator().manual_seed(4), False)
+        assert bare[0].shape[0] == bare[1].shape[0] == 0 and full[0].shape[0] == 64
+        torch.testing.assert_close(bare[2], full[2], atol=0, rtol=0)
+        if dq_col:
+            assert bare[4].shape[0] == bare[5].shape[0] == 0 and full[4].shape[0] == 96
+            torch.testing.assert_close(bare[6], full[6], atol=0, rtol=0)
+        else:
+            torch.testing.assert_close(bare[4], full[4], atol=0, rtol=0)
+    for dq in ((True, True), (True, False)):
+        full = bk.mxfp8_quantize_both(x, return_dq=dq)
+        bare = bk.mxfp8_quantize_both(x, return_dq=dq, codes=False)
+        for (q_full, dq_full), (q_bare, dq_bare), want_dq in zip(full, bare, dq):
+            assert q_bare.shape == q_full.shape
+            if want_dq:
+                assert q_bare.data.shape[0] == q_bare.scale.shape[0] == 0
+                torch.testing.assert_close(dq_bare, dq_full, atol=0, rtol=0)
+            else:
+                assert torch.equal(q_bare.data.view(torch.uint8), q_full.data.view(torch.uint8))

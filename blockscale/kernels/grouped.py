@@ -573,18 +573,11 @@ def mxfp8_quantize_grouped(
     )
     row_out = tok_out = None
     if rows:
-        row_out = (_mxfp8_grouped(data, scale, x.shape), dq if return_dq[0] else None)
+        row_out = (mx._container(data, scale, x.shape), dq if return_dq[0] else None)
     if tokens:
         shape = torch.Size((x.shape[1], layout.capacity))
-        tok_out = (_mxfp8_grouped(data_t, scale_t, shape), dq_t if return_dq[1] else None)
+        tok_out = (mx._container(data_t, scale_t, shape), dq_t if return_dq[1] else None)
     return row_out, tok_out
-
-
-def _mxfp8_grouped(data, scale, shape) -> MXFP8Tensor:
-    """(A copy written without its codes keeps its empty [0, C] and [0, C/32].)"""
-    if data.numel() or not math.prod(shape):
-        return mx._container(data, scale, shape)
-    return MXFP8Tensor(data.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu), shape)
 
 
 def _mxfp8_experts(w: torch.Tensor, row: bool, col: bool, dq_row: bool, dq_col: bool):

@@ -10,6 +10,8 @@ Bytes (BF16 input, N = M*K): one direction reads 2N and writes N + N/32 = 3.03 N
 directions 4.06 N; each `_dq` output adds 2N. No global amax: MXFP8 scales are per block.
 """
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -119,7 +121,8 @@ def _mxfp8_quantize_kernel(
     ROW: tl.constexpr, COL: tl.constexpr, DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr,
     HW_FP8: tl.constexpr,
     band, DOT_F32: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, ROW_CODES: tl.constexpr = True,
+    COL_CODES: tl.constexpr = True,
 ):  # fmt: skip
     tile_m, tile_k = band_tile(band)
     m0 = tile_m * BM
@@ -132,10 +135,11 @@ def _mxfp8_quantize_kernel(
     )
     if ROW:
         byte, ecode, dq, _ = _mx_tile(x.to(tl.float32), BM, BK, HW_FP8)
-        _store_mx(byte, ecode, dq, data_ptr, scale_ptr, dq_ptr, m0, k0, M, K, BM, BK, DQ_ROW)
+        _store_mx(byte, ecode, dq, data_ptr, scale_ptr, dq_ptr, m0, k0, M, K, BM, BK, DQ_ROW,
+                  ROW_CODES)  # fmt: skip
     if COL:
         quantize_columns_mx(x, data_t_ptr, scale_t_ptr, dq_t_ptr, k0, m0, K, M, BK, BM, DQ_COL,
-                            HW_FP8, DOT_F32)  # fmt: skip
+                            HW_FP8, DOT_F32, COL_CODES)  # fmt: skip
 
 
 @triton.jit
@@ -220,15 +224,30 @@ def _outputs(rows: int, cols: int, device, dq: bool, codes: bool = True):
 
 @library_op("blockscale::mxfp8_quantize_2d", mutates_args=(), triton=True)
 def _mxfp8_quantize_2d(
-    x: torch.Tensor, row: bool, col: bool, dq_row: bool, dq_col: bool
+    x: torch.Tensor,
+    row: bool,
+    col: bool,
+    dq_row: bool,
+    dq_col: bool,
+    row_codes: bool = True,
+    col_codes: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] -> rowwise (E4M3 bytes [M, K], E8M0 bytes [M, K/32], dq [M, K]) and columnwise
-    ([K, M], [K, M/32], [K, M]) outputs; unused ones (and a `_dq` not asked for) are empty."""
+    ([K, M], [K, M/32], [K, M]) outputs; unused ones (and a `_dq` not asked for) are empty.
+    `row_codes` / `col_codes` False with that copy's `_dq`: the `_dq` alone, bytes and scales
+    empty (an emulated GEMM's operand, read once and not kept)."""
     M, K = x.shape
     dev = x.device
     dq_row, dq_col = dq_row and row, dq_col and col
-    data, scale, dq_r = _outputs(M, K, dev, dq_row) if row else _outputs(0, 0, dev, False)
-    data_t, scale_t, dq_c = _outputs(K, M, dev, dq_col) if col else _outputs(0, 0, dev, False)
+    row_codes, col_codes = row_codes or not dq_row, col_codes or not dq_col
+    if row:
+        data, scale, dq_r = _outputs(M, K, dev, dq_row, codes=row_codes)
+    else:
+        data, scale, dq_r = _outputs(0, 0, dev, False)
+    if col:
+        data_t, scale_t, dq_c = _outputs(K, M, dev, dq_col, codes=col_codes)
+    else:
+        data_t, scale_t, dq_c = _outputs(0, 0, dev, False)
     if M and K and (row or col):
         bm, bk, options = launch_tiles(TILES[launch_kind(row, col, dq_row or dq_col)])
         grid, band = band_grid(M, K, bm, bk)
@@ -237,7 +256,7 @@ def _mxfp8_quantize_2d(
             dq_c.view(torch.int16),
             ROW=row, COL=col, DQ_ROW=dq_row, DQ_COL=dq_col, HW_FP8=not interpreting(), band=band,
             DOT_F32=dot_in_fp32(x),
-            BM=bm, BK=bk, **options,
+            BM=bm, BK=bk, ROW_CODES=row_codes, COL_CODES=col_codes, **options,
         )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c
 
@@ -258,7 +277,8 @@ def _mxfp8_dequantize_3d(data: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
 
 
 def _container(data, scale, shape) -> MXFP8Tensor:
-    lead = shape[:-1]
+    """(A copy written without its codes keeps its empty [0, C] and [0, C/32].)"""
+    lead = shape[:-1] if data.numel() or not math.prod(shape) else (0,)
     return MXFP8Tensor(
         data=data.view(torch.float8_e4m3fn).reshape(*lead, shape[-1]),
         scale=scale.view(torch.float8_e8m0fnu).reshape(*lead, shape[-1] // BLOCK),
@@ -282,16 +302,21 @@ def mxfp8_quantize(x: torch.Tensor, transpose: bool = False, return_dq: bool = F
     return (q, dq.reshape(shape)) if return_dq else q
 
 
-def mxfp8_quantize_both(x: torch.Tensor, return_dq: bool | tuple[bool, bool] = False):
+def mxfp8_quantize_both(
+    x: torch.Tensor, return_dq: bool | tuple[bool, bool] = False, codes: bool = True
+):
     """(rowwise, columnwise) MXFP8 copies from one read of x; with return_dq,
     ((q_row, dq_row), (q_col, dq_col)). return_dq is True for both `_dq` operands or a pair
-    (row, col) of flags; a copy whose flag is False gets None (its `_dq` is not written)."""
+    (row, col) of flags; a copy whose flag is False gets None (its `_dq` is not written).
+    `codes=False`: a copy with its `_dq` is written as the `_dq` alone (data, scale empty)."""
     want_row, want_col = dq_flags(return_dq)
     x2 = _checks.as_2d(x, "MXFP8", False)
     M, K = x2.shape
     _checks.check_blocks(M, K, "MXFP8", 1, BLOCK)
     _checks.check_blocks(K, M, "MXFP8", 1, BLOCK)
-    data, scale, dq, data_t, scale_t, dq_t = _mxfp8_quantize_2d(x2, True, True, want_row, want_col)
+    data, scale, dq, data_t, scale_t, dq_t = _mxfp8_quantize_2d(
+        x2, True, True, want_row, want_col, codes, codes
+    )
     q_row = _container(data, scale, x.shape)
     q_col = _container(data_t, scale_t, torch.Size((K, M)))
     if return_dq is not False:

@@ -321,7 +321,7 @@ def _nvfp4_quantize_kernel(
     ROW_SR: tl.constexpr, COL_SR: tl.constexpr, COL_HAD: tl.constexpr,
     RAND_GIVEN: tl.constexpr, DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr,
     band, DOT_F32: tl.constexpr, HW: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    ROW_CODES: tl.constexpr = True,
+    ROW_CODES: tl.constexpr = True, COL_CODES: tl.constexpr = True,
 ):  # fmt: skip
     tile_m, tile_k = band_tile(band)
     m0 = tile_m * BM
@@ -351,7 +351,7 @@ def _nvfp4_quantize_kernel(
         )
         quantize_columns(x, s_dec_t, mult_t, u_t, h_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
                          k0, m0, K, M, BK, BM, COL_2D, COL_SR, COL_HAD, DQ_COL, DOT_F32,
-                         HW)  # fmt: skip
+                         HW, COL_CODES)  # fmt: skip
 
 
 @triton.jit
@@ -482,24 +482,26 @@ def _nvfp4_quantize_2d(
     dq_row: bool,
     dq_col: bool,
     row_codes: bool = True,
+    col_codes: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] -> rowwise (data [M, K/2], scale [M, K/16], dq [M, K]) and columnwise
     (data_t [K, M/2], scale_t [K, M/16], dq_t [K, M]) outputs; unused ones (and a `_dq` not
     asked for) are empty. Scales are raw E4M3 bytes (uint8). amax_* are FP32 device scalars.
     `row_codes=False` with `dq_row`: the rowwise copy's `_dq` only, its codes and scales
-    empty ([0, K/2], [0, K/16]): for a caller that feeds an emulated GEMM and keeps nothing.
+    empty ([0, K/2], [0, K/16]): for a caller that feeds an emulated GEMM and keeps nothing;
+    `col_codes=False` with `dq_col` the same for the columnwise copy ([0, M/2], [0, M/16]).
     It is also a call a compiled graph cannot merge with the same copy's full call (a
     compiled backward's rebuild of the forward's weight copy: ops/linear.py, "Memory")."""
     M, K = x.shape
     dev = x.device
     dq_row, dq_col = dq_row and row, dq_col and col
-    row_codes = row_codes or not dq_row
+    row_codes, col_codes = row_codes or not dq_row, col_codes or not dq_col
     if row:
         data, scale, dq_r = _empty_like_spec(M, K, dev, dq_row, codes=row_codes)
     else:
         data, scale, dq_r = _empty_like_spec(0, 0, dev, False)
     if col:
-        data_t, scale_t, dq_c = _empty_like_spec(K, M, dev, dq_col)
+        data_t, scale_t, dq_c = _empty_like_spec(K, M, dev, dq_col, codes=col_codes)
     else:
         data_t, scale_t, dq_c = _empty_like_spec(0, 0, dev, False)
     if M == 0 or K == 0 or not (row or col):
@@ -519,7 +521,7 @@ def _nvfp4_quantize_2d(
         ROW=row, COL=col, ROW_2D=row_2d, COL_2D=col_2d, ROW_SR=row_sr, COL_SR=col_sr,
         COL_HAD=col_hadamard, RAND_GIVEN=rand_given, DQ_ROW=dq_row, DQ_COL=dq_col,
         band=band, DOT_F32=dot_in_fp32(x), HW=not interpreting(),
-        BM=bm, BK=bk, ROW_CODES=row_codes, **options,
+        BM=bm, BK=bk, ROW_CODES=row_codes, COL_CODES=col_codes, **options,
     )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c
 
@@ -704,13 +706,15 @@ def quantize_both_2d(
     dq_row: bool,
     dq_col: bool,
     generator: torch.Generator | None = None,
+    codes: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """The launch of `nvfp4_quantize_both`, for it and for callers that checked their
     arguments (ops/quantize.py: x2 [M, K] with M and K multiples of 16, options from a
     validated OperandConfig), which then skip its option dicts, checks and containers.
     The global amaxes, when not given, come from one fused amax pass. Returns (data,
     scale bytes, dq or an empty tensor, row amax, data_t, scale_t bytes, dq_t, column amax),
-    each amax an FP32 scalar tensor (given ones converted as `nvfp4_quantize_both` does)."""
+    each amax an FP32 scalar tensor (given ones converted as `nvfp4_quantize_both` does).
+    `codes=False`: a copy with its `_dq` is written as the `_dq` alone (data, scale empty)."""
     if amax_row is None or amax_col is None:
         plain, had = amax_fused(x2, hadamard_t=col_hadamard)
         amax_row = plain if amax_row is None else amax_row
@@ -723,7 +727,8 @@ def quantize_both_2d(
     data, scale, dq, data_t, scale_t, dq_t = _nvfp4_quantize_2d(
         x2, amax_row, amax_col, seed, None, None,
         row=True, col=True, row_2d=row_2d, col_2d=col_2d, row_sr=row_sr, col_sr=col_sr,
-        col_hadamard=col_hadamard, dq_row=dq_row, dq_col=dq_col,
+        col_hadamard=col_hadamard, dq_row=dq_row, dq_col=dq_col, row_codes=codes,
+        col_codes=codes,
     )  # fmt: skip
     return data, scale, dq, _no_grad(amax_row), data_t, scale_t, dq_t, _no_grad(amax_col)
 

@@ -417,9 +417,10 @@ def _quantized_input(
     wgrad_cfg: OperandConfig | None,
     x_amax: torch.Tensor | None,
     tokens_amax: torch.Tensor | None,
+    codes: bool = True,
 ) -> tuple:
     """(input_lp, input_t) of `x` (input flattened), reused from the previous forward when it
-    quantized the same unmodified tensor the same way."""
+    quantized the same unmodified tensor the same way (`codes`: quantize_rows_and_tokens')."""
     if (
         not _shareable(row_cfg, wgrad_cfg)
         or x_amax is not None
@@ -427,14 +428,27 @@ def _quantized_input(
         or input.is_inference()  # no version counter to tell an in-place change by
     ):
         return quantize_rows_and_tokens(
-            x, row_cfg, wgrad_cfg, row_amax=x_amax, tokens_amax=tokens_amax
+            x, row_cfg, wgrad_cfg, row_amax=x_amax, tokens_amax=tokens_amax, codes=codes
         )
-    key = (row_cfg, wgrad_cfg)  # the same tensor has the same shape
+    key = (row_cfg, wgrad_cfg, codes)  # the same tensor has the same shape
     found = _SHARED.get(input, key)
     if found is None:
-        found = quantize_rows_and_tokens(x, row_cfg, wgrad_cfg)
+        found = quantize_rows_and_tokens(x, row_cfg, wgrad_cfg, codes=codes)
         _SHARED.put(input, key, found)
     return found
+
+
+# Whether an activation copy that feeds only emulated GEMMs (the forward's input along K, both
+# copies of grad_output) is written as its `_dq` alone: those GEMMs read nothing else and
+# nothing keeps the copy (docs/KERNELS.md, "Activation copies without their codes"). On since
+# 2026-11-29, before it was timed on a GPU; a benchmark sets it off to compare.
+DQ_ONLY_ACTIVATIONS = True
+
+
+def activation_codes(backend: Backend) -> bool:
+    """Whether a linear's activation copies made with their `_dq` must also hold their codes:
+    on the native backend (which reads codes and scales), or with `DQ_ONLY_ACTIVATIONS` off."""
+    return backend is not Backend.EMULATED or not DQ_ONLY_ACTIVATIONS
 
 
 _NOTHING = contextlib.nullcontext()
@@ -483,9 +497,11 @@ class _Linear(torch.autograd.Function):
                     nvfp4 = [c for c in configs if c.format is Format.NVFP4]
                     local[2] = operand_amax(weight, nvfp4[0]) if nvfp4 else None
                 x_amax, tokens_amax, w_amax = _reduced(sharded, local)
+            # an emulated GEMM reads only the row copy's `_dq` (the token copy is saved packed)
             x_lp, input_t = _quantized_input(
-                input, x, recipe.output.input, wgrad_cfg, x_amax, tokens_amax
-            )
+                input, x, recipe.output.input, wgrad_cfg, x_amax, tokens_amax,
+                codes=activation_codes(backend),
+            )  # fmt: skip
             w_cfg = recipe.output.weight
 
             def make_w(dq: bool) -> QuantizedOperand:
@@ -542,8 +558,9 @@ class _Linear(torch.autograd.Function):
                 local = list(rows_and_tokens_amax(go, row_cfg, tokens_cfg))
                 go_amax, tokens_amax = _reduced(sharded, local)
             go_lp, go_t = quantize_rows_and_tokens(
-                go, row_cfg, tokens_cfg, tokens_dq=True, row_amax=go_amax, tokens_amax=tokens_amax
-            )
+                go, row_cfg, tokens_cfg, tokens_dq=True, row_amax=go_amax,
+                tokens_amax=tokens_amax, codes=activation_codes(ctx.backend),
+            )  # fmt: skip
             if ctx.needs_input_grad[0]:
                 if ctx.recompute:
                     weight, *amax = saved[:n]

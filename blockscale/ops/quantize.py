@@ -258,6 +258,7 @@ def _both_from_one_read(
     row_amax: torch.Tensor | None,
     tokens_amax: torch.Tensor | None,
     row_dq: bool = True,
+    codes: bool = True,
 ) -> tuple[QuantizedOperand, QuantizedOperand] | None:
     """Both copies from one kernel pass over x, where the formats allow it; else None."""
     if not _library.use_kernels(x) or row.format is not tokens.format or row.hadamard:
@@ -272,7 +273,7 @@ def _both_from_one_read(
         data, scale, dq, amax_r, data_t, scale_t, dq_t, amax_t = _kernels().quantize_both_2d(
             x, row.block == "16x16", row.rounding is stochastic, tokens.block == "16x16",
             tokens.rounding is stochastic, tokens.hadamard, row_amax, tokens_amax, row_dq,
-            tokens_dq, generator,
+            tokens_dq, generator, codes,
         )  # fmt: skip
         e4m3 = torch.float8_e4m3fn
         return (
@@ -283,7 +284,7 @@ def _both_from_one_read(
         )  # fmt: skip
     elif row.format is Format.MXFP8:
         (q_row, dq_row), (q_tok, dq_tok) = _kernels().mxfp8_quantize_both(
-            x, return_dq=(row_dq, tokens_dq)
+            x, return_dq=(row_dq, tokens_dq), codes=codes
         )
     else:
         return None
@@ -300,12 +301,17 @@ def quantize_rows_and_tokens(
     row_amax: torch.Tensor | None = None,
     tokens_amax: torch.Tensor | None = None,
     row_dq: bool = True,
+    *,
+    codes: bool = True,
 ) -> tuple[QuantizedOperand | None, QuantizedOperand | None]:
     """The two copies of a [M, C] activation: along C per `row`, and along M (zero-padded to
     the block) per `tokens`, stored [C, M']. A None config skips that copy. The row copy
     feeds a GEMM now (its `_dq` is made with it, unless `row_dq=False`: an FSDP2 weight shard
     only travels packed); `tokens_dq` says whether the token copy does too (backward) or is
-    saved (forward). Stochastic draws: the row copy first.
+    saved (forward). Stochastic draws: the row copy first. `codes=False`: a copy made with its
+    `_dq` whose GEMM reads only that (an emulated one) and that nothing keeps is written as
+    the `_dq` alone where the kernels allow (both copies from one read; a rowwise NVFP4 copy
+    alone), its `data` and `scale` empty; elsewhere the codes are written as usual.
 
     `row_amax` / `tokens_amax` (NVFP4 copies only; None: the copy's own): the tensor amaxes to
     scale with, as `quantize_operand`'s `amax`. They are two different amaxes when the token
@@ -318,13 +324,15 @@ def quantize_rows_and_tokens(
     """
     if row is not None and tokens is not None:
         both = _both_from_one_read(
-            x, row, tokens, generator, tokens_dq, row_amax, tokens_amax, row_dq
+            x, row, tokens, generator, tokens_dq, row_amax, tokens_amax, row_dq, codes
         )
         if both is not None:
             return both
     row_lp = None
     if row is not None:
-        row_lp = quantize_operand(x, row, generator=generator, dq=row_dq, amax=row_amax)
+        row_lp = quantize_operand(
+            x, row, generator=generator, dq=row_dq, amax=row_amax, codes=codes or not row_dq
+        )
     tokens_lp = None
     if tokens is not None:
         tokens_lp = quantize_operand(
