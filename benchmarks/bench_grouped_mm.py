@@ -194,7 +194,7 @@ def kernel_cases(x: torch.Tensor, e: int) -> dict[str, tuple[Any, float]]:
             lambda: kg.mxfp8_quantize_grouped(x, layout, True, True, (True, True)),
             2 * m * k + mx_copy(m, k) + 2 * m * k + mx_copy(k, p) + 2 * k * p,
         ),
-        # as the emulated step makes them (gemm/grouped.py, DQ_ONLY_ACTIVATIONS): each copy
+        # as the emulated step makes them (gemm/dispatch.py, DQ_ONLY_ACTIVATIONS): each copy
         # made with its `_dq` written without its codes and scales
         "nvfp4 fwd, dq only: rows dq, Hadamard tokens": (
             lambda: kg.nvfp4_quantize_grouped(

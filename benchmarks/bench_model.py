@@ -516,8 +516,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "CUBLAS_BF16_OUT off, as before 2026-11-26)")  # fmt: skip
     parser.add_argument("--activation-codes", action="store_true",
                         help="activation copies that feed only emulated GEMMs written with their "
-                             "codes and scales too (DQ_ONLY_ACTIVATIONS off in ops/linear.py and "
-                             "gemm/grouped.py, as before 2026-11-29)")  # fmt: skip
+                             "codes and scales too (gemm/dispatch.py's DQ_ONLY_ACTIVATIONS off, "
+                             "as before 2026-11-29)")  # fmt: skip
     parser.add_argument("--fp32-fused-max-k", type=int, default=None, metavar="K",
                         help="FP32 GEMM outputs with a contraction of at most K run the fused "
                              "kernel, longer ones cuBLAS scaled in place (gemm/dispatch.py's "
@@ -535,12 +535,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def set_activation_codes(full: bool) -> None:
-    """With `full`, every activation copy is written with its codes (the linears' and the
-    grouped GEMMs' DQ_ONLY_ACTIVATIONS off: the code before 2026-11-29); else the default."""
-    import importlib  # noqa: PLC0415
-
-    for module in ("blockscale.ops.linear", "blockscale.gemm.grouped"):
-        importlib.import_module(module).DQ_ONLY_ACTIVATIONS = not full
+    """With `full`, every activation copy is written with its codes (gemm/dispatch.py's
+    DQ_ONLY_ACTIVATIONS off: the code before 2026-11-29); else the default."""
+    importlib.import_module("blockscale.gemm.dispatch").DQ_ONLY_ACTIVATIONS = not full
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

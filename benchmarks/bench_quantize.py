@@ -142,7 +142,7 @@ def cases(x: torch.Tensor) -> list[tuple[str, str, Callable[[], Any], float]]:
             ),
             2 * nv1 - 2 * n + 4 * n,
         ),
-        # as the emulated linear makes them (ops/linear.py, DQ_ONLY_ACTIVATIONS): each copy
+        # as the emulated linear makes them (gemm/dispatch.py, DQ_ONLY_ACTIVATIONS): each copy
         # with its `_dq` written without its codes and scales
         (
             "nvfp4 both + row dq, dq only (forward input)",

@@ -31,6 +31,7 @@ import torch
 import blockscale as bs
 from blockscale import _library, recipes
 from blockscale.formats import grouped as G
+from blockscale.gemm import dispatch
 from blockscale.gemm import grouped as gemm_grouped
 from blockscale.ops import linear
 
@@ -287,7 +288,7 @@ def test_kernel_copies_without_codes_give_the_same_dq(hadamard):
 
 @pytest.mark.parametrize("name", ["nvfp4", "nvfp4_fwd_mxfp8_bwd", "mxfp8"])
 def test_dq_only_activations_give_the_same_step(name, monkeypatch):
-    """gemm/grouped.py's DQ_ONLY_ACTIVATIONS: the emulated GEMMs read only the activation
+    """gemm/dispatch.py's DQ_ONLY_ACTIVATIONS in a grouped GEMM: the emulated GEMMs read only the activation
     copies' `_dq`, so writing them without codes gives the same output, grad_input and
     grad_weight bit for bit (stochastic rounding on, one seed), and the switch does reach
     the kernels (the forward's row copy and both backward copies are made without codes)."""
@@ -309,7 +310,7 @@ def test_dq_only_activations_give_the_same_step(name, monkeypatch):
         monkeypatch.setattr(kg, name_, spy(getattr(kg, name_)))
     steps = {}
     for dq_only in (False, True):
-        monkeypatch.setattr(gemm_grouped, "DQ_ONLY_ACTIVATIONS", dq_only)
+        monkeypatch.setattr(dispatch, "DQ_ONLY_ACTIVATIONS", dq_only)
         asked.clear()
         torch.manual_seed(5)
         steps[dq_only] = _grouped_step(x, w, grad, offs, recipe)

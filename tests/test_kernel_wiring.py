@@ -124,16 +124,13 @@ def test_fp32_outputs_take_the_fused_kernel_up_to_fused_fp32_max_k(max_k, monkey
 
 @pytest.mark.parametrize("name", ["nvfp4", "nvfp4_fwd_mxfp8_bwd", "mxfp8"])
 def test_dq_only_activations_give_the_same_step(name, monkeypatch):
-    """ops/linear.py's DQ_ONLY_ACTIVATIONS: an emulated GEMM reads only an activation copy's
+    """gemm/dispatch.py's DQ_ONLY_ACTIVATIONS in a linear: an emulated GEMM reads only an activation copy's
     `_dq`, so writing the forward's input copy along K and both grad_output copies without
     their codes gives the same output, grad_input and grad_weight bit for bit (stochastic
     rounding on, one seed); and the switch reaches the launches that make both copies of an
     activation from one read (NVFP4 and MXFP8; every recipe makes at least one)."""
-    import importlib
-
     from blockscale import kernels as bk
 
-    ops_linear = importlib.import_module("blockscale.ops.linear")
     recipe = recipes.get(name)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 32, 64, generator=g).bfloat16()
@@ -156,7 +153,7 @@ def test_dq_only_activations_give_the_same_step(name, monkeypatch):
         monkeypatch.setattr(bk, attr, spy(getattr(bk, attr), codes_of))
     steps = {}
     for dq_only in (False, True):
-        monkeypatch.setattr(ops_linear, "DQ_ONLY_ACTIVATIONS", dq_only)
+        monkeypatch.setattr(dispatch, "DQ_ONLY_ACTIVATIONS", dq_only)
         asked.clear()
         torch.manual_seed(5)
         steps[dq_only] = _step(x, w, None, recipe)

@@ -77,6 +77,22 @@ CUBLAS_BF16_OUT = True
 # stays there. 0: cuBLAS for every FP32 output.
 FUSED_FP32_MAX_K = 4096
 
+# Whether an activation copy that feeds only emulated GEMMs (a linear's or a grouped GEMM's
+# input along K, both copies of grad_output) is written as its `_dq` alone: those GEMMs read
+# nothing else and nothing keeps the copy, so its codes and scales had no reader (NVFP4 0.56
+# of the 2.56 bytes a value such a copy writes, MXFP8 1.03 of 3.03). The `_dq` bits are the
+# same (tests/test_kernel_wiring.py, tests/test_grouped_mm.py). On since 2026-11-29, before
+# it was timed on a GPU (docs/KERNELS.md, "Activation copies without their codes": compiled
+# for sm_90 on the CPU, 10-29% fewer instructions a launch). A benchmark sets it off to compare.
+DQ_ONLY_ACTIVATIONS = True
+
+
+def activation_codes(backend: Backend) -> bool:
+    """Whether an activation copy made with its `_dq` must also hold its codes, for GEMMs on
+    the resolved `backend`: on the native one (it reads codes and scales), or with
+    `DQ_ONLY_ACTIVATIONS` off. The one place ops/linear.py and ops/grouped_mm.py ask."""
+    return backend is not Backend.EMULATED or not DQ_ONLY_ACTIVATIONS
+
 
 class Backend(StrEnum):
     """Where block-scaled GEMMs run. AUTO: native on compute capability >= 10.0, else emulated.

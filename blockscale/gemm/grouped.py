@@ -39,7 +39,7 @@ from blockscale import _library
 from blockscale.formats import e2m1
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import BLOCK, NVFP4Tensor, decode_scale
-from blockscale.gemm import emulated, native
+from blockscale.gemm import dispatch, emulated, native
 from blockscale.gemm.dispatch import Backend, resolve_backend
 
 # Whether the emulated rows GEMMs (output, grad_input) read the expert weight packed rather than
@@ -59,22 +59,10 @@ def packed_weight_rule(weight: torch.Tensor) -> bool:
     return PACKED_WEIGHT and _library.use_kernels(weight)
 
 
-# Whether a grouped activation copy that feeds only emulated GEMMs (the forward's row copy, the
-# backward's two gradient copies) is written as its `_dq` alone: those GEMMs read nothing else,
-# and nothing keeps the copy, so its codes and scales were bytes written for no reader (NVFP4
-# 0.56 of the 2.56 bytes a value each copy writes, MXFP8 1.03 of 3.03). The `_dq` bits are the
-# same (tests/test_grouped_mm.py). On since 2026-11-29, before it was timed on a GPU: the
-# machine code per launch, compiled for sm_90 on the CPU, is in docs/KERNELS.md
-# ("Activation copies without their codes"). A benchmark sets it off to compare.
-DQ_ONLY_ACTIVATIONS = True
-
-
 def activation_codes(backend: Backend | str, device: torch.device) -> bool:
-    """Whether a grouped activation copy made with its `_dq` must also hold its codes: where
-    the GEMMs may run natively (which reads codes and scales), or `DQ_ONLY_ACTIVATIONS` is
-    off. The one place ops/grouped_mm.py asks."""
-    native_backend = resolve_grouped_backend(backend, device) is Backend.NATIVE
-    return native_backend or not DQ_ONLY_ACTIVATIONS
+    """Whether a grouped activation copy made with its `_dq` must also hold its codes
+    (gemm/dispatch.py's `activation_codes`, for the grouped GEMMs' resolved backend)."""
+    return dispatch.activation_codes(resolve_grouped_backend(backend, device))
 
 
 @dataclass

@@ -130,6 +130,22 @@ def dq_flags(return_dq: bool | tuple[bool, bool]) -> tuple[bool, bool]:
     return bool(row), bool(col)
 
 
+def copy_outputs(
+    empty, rows: int, cols: int, t_cols: int, device, row: bool, col: bool,
+    dq_row: bool, dq_col: bool, row_codes: bool = True, col_codes: bool = True,
+):  # fmt: skip
+    """The six outputs of a quantize launch that makes a row copy of [rows, cols] and a
+    column copy [cols, t_cols] (data, scale, dq each, from `empty(rows, cols, device, dq,
+    codes)`; a copy not made is empty), and the launch's flags (dq_row, dq_col, row_codes,
+    col_codes): a `_dq` only for a copy made; codes always, unless the copy has its `_dq`."""
+    dq_row, dq_col = dq_row and row, dq_col and col
+    row_codes, col_codes = row_codes or not dq_row, col_codes or not dq_col
+    none = (0, 0, device, False, True)  # (made twice: a custom op's outputs may not alias)
+    made_row = (rows, cols, device, dq_row, row_codes) if row else none
+    made_col = (cols, t_cols, device, dq_col, col_codes) if col else none
+    return (*empty(*made_row), *empty(*made_col)), (dq_row, dq_col, row_codes, col_codes)
+
+
 def launch_tiles(cfg: tuple) -> tuple[int, int, dict]:
     """A quantize launcher's tile entry (BM, BK, num_warps[, maxnreg]) -> (BM, BK, launch
     options). maxnreg caps a thread's registers (ptxas spills to stay under it), so that more

@@ -44,6 +44,7 @@ from blockscale.kernels._common import (
     band_grid,
     band_tile,
     cdiv,
+    copy_outputs,
     dot_in_fp32,
     hadamard_matrix,
     interpreting,
@@ -340,14 +341,10 @@ def _nvfp4_quantize_grouped_2d(
     P = source.shape[0] if source is not None else M
     E = amax_row.shape[0] if row else amax_col.shape[0]
     dev = x.device
-    dq_row, dq_col = dq_row and row, dq_col and col
-    row_codes, col_codes = row_codes or not dq_row, col_codes or not dq_col
-    data, scale, dq_r = (
-        nv._empty_like_spec(M, K, dev, dq_row, codes=row_codes)
-        if row
-        else nv._empty_like_spec(0, 0, dev, False)
+    outs, (dq_row, dq_col, row_codes, col_codes) = copy_outputs(
+        nv._empty_like_spec, M, K, P, dev, row, col, dq_row, dq_col, row_codes, col_codes
     )
-    data_t, scale_t, dq_c = nv._empty_like_spec(K, P, dev, dq_col, codes=col_codes) if col else nv._empty_like_spec(0, 0, dev, False)  # fmt: skip
+    data, scale, dq_r, data_t, scale_t, dq_c = outs
     if P == 0 or K == 0 or not (row or col):
         return data, scale, dq_r, data_t, scale_t, dq_c
     kind = launch_kind(row, col, dq_row or dq_col, (row and row_sr) or (col and col_sr))
@@ -405,16 +402,10 @@ def _mxfp8_quantize_grouped_2d(
     M, K = x.shape
     P = source.shape[0] if source is not None else M
     dev = x.device
-    dq_row, dq_col = dq_row and row, dq_col and col
-    row_codes, col_codes = row_codes or not dq_row, col_codes or not dq_col
-    if row:
-        data, scale, dq_r = mx._outputs(M, K, dev, dq_row, codes=row_codes)
-    else:
-        data, scale, dq_r = mx._outputs(0, 0, dev, False)
-    if col:
-        data_t, scale_t, dq_c = mx._outputs(K, P, dev, dq_col, codes=col_codes)
-    else:
-        data_t, scale_t, dq_c = mx._outputs(0, 0, dev, False)
+    outs, (dq_row, dq_col, row_codes, col_codes) = copy_outputs(
+        mx._outputs, M, K, P, dev, row, col, dq_row, dq_col, row_codes, col_codes
+    )
+    data, scale, dq_r, data_t, scale_t, dq_c = outs
     if P and K and (row or col):
         kind = launch_kind(row, col, dq_row or dq_col)
         bm, bk, options = launch_tiles(TILES.get(f"mxfp8:{kind}", mx.TILES[kind]))

@@ -23,6 +23,7 @@ from blockscale.kernels._common import (
     abs_bits,
     band_grid,
     band_tile,
+    copy_outputs,
     dot_in_fp32,
     dq_flags,
     e4m3_byte_value,
@@ -237,17 +238,10 @@ def _mxfp8_quantize_2d(
     `row_codes` / `col_codes` False with that copy's `_dq`: the `_dq` alone, bytes and scales
     empty (an emulated GEMM's operand, read once and not kept)."""
     M, K = x.shape
-    dev = x.device
-    dq_row, dq_col = dq_row and row, dq_col and col
-    row_codes, col_codes = row_codes or not dq_row, col_codes or not dq_col
-    if row:
-        data, scale, dq_r = _outputs(M, K, dev, dq_row, codes=row_codes)
-    else:
-        data, scale, dq_r = _outputs(0, 0, dev, False)
-    if col:
-        data_t, scale_t, dq_c = _outputs(K, M, dev, dq_col, codes=col_codes)
-    else:
-        data_t, scale_t, dq_c = _outputs(0, 0, dev, False)
+    outs, (dq_row, dq_col, row_codes, col_codes) = copy_outputs(
+        _outputs, M, K, M, x.device, row, col, dq_row, dq_col, row_codes, col_codes
+    )
+    data, scale, dq_r, data_t, scale_t, dq_c = outs
     if M and K and (row or col):
         bm, bk, options = launch_tiles(TILES[launch_kind(row, col, dq_row or dq_col)])
         grid, band = band_grid(M, K, bm, bk)

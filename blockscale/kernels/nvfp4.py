@@ -33,6 +33,7 @@ from blockscale.kernels._common import (
     band_grid,
     band_tile,
     bf16_bits,
+    copy_outputs,
     dot_in_fp32,
     dq_flags,
     e4m3_byte_value,
@@ -494,16 +495,10 @@ def _nvfp4_quantize_2d(
     compiled backward's rebuild of the forward's weight copy: ops/linear.py, "Memory")."""
     M, K = x.shape
     dev = x.device
-    dq_row, dq_col = dq_row and row, dq_col and col
-    row_codes, col_codes = row_codes or not dq_row, col_codes or not dq_col
-    if row:
-        data, scale, dq_r = _empty_like_spec(M, K, dev, dq_row, codes=row_codes)
-    else:
-        data, scale, dq_r = _empty_like_spec(0, 0, dev, False)
-    if col:
-        data_t, scale_t, dq_c = _empty_like_spec(K, M, dev, dq_col, codes=col_codes)
-    else:
-        data_t, scale_t, dq_c = _empty_like_spec(0, 0, dev, False)
+    outs, (dq_row, dq_col, row_codes, col_codes) = copy_outputs(
+        _empty_like_spec, M, K, M, dev, row, col, dq_row, dq_col, row_codes, col_codes
+    )
+    data, scale, dq_r, data_t, scale_t, dq_c = outs
     if M == 0 or K == 0 or not (row or col):
         return data, scale, dq_r, data_t, scale_t, dq_c
     rand_given = rand_row is not None or rand_col is not None

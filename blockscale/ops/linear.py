@@ -121,7 +121,13 @@ from torch._dynamo import nonstrict_trace
 
 from blockscale._registry import tracing
 from blockscale.formats.nvfp4 import NVFP4Tensor
-from blockscale.gemm.dispatch import Backend, Transposed, resolve_backend, scaled_mm
+from blockscale.gemm.dispatch import (
+    Backend,
+    Transposed,
+    activation_codes,
+    resolve_backend,
+    scaled_mm,
+)
 from blockscale.ops.quantize import (
     HighPrecisionTensor,
     QuantizedOperand,
@@ -436,19 +442,6 @@ def _quantized_input(
         found = quantize_rows_and_tokens(x, row_cfg, wgrad_cfg, codes=codes)
         _SHARED.put(input, key, found)
     return found
-
-
-# Whether an activation copy that feeds only emulated GEMMs (the forward's input along K, both
-# copies of grad_output) is written as its `_dq` alone: those GEMMs read nothing else and
-# nothing keeps the copy (docs/KERNELS.md, "Activation copies without their codes"). On since
-# 2026-11-29, before it was timed on a GPU; a benchmark sets it off to compare.
-DQ_ONLY_ACTIVATIONS = True
-
-
-def activation_codes(backend: Backend) -> bool:
-    """Whether a linear's activation copies made with their `_dq` must also hold their codes:
-    on the native backend (which reads codes and scales), or with `DQ_ONLY_ACTIVATIONS` off."""
-    return backend is not Backend.EMULATED or not DQ_ONLY_ACTIVATIONS
 
 
 _NOTHING = contextlib.nullcontext()
