@@ -143,9 +143,10 @@ def cases(x: torch.Tensor) -> list[tuple[str, str, Callable[[], Any], float]]:
             2 * nv1 - 2 * n + 4 * n,
         ),
         # as the emulated linear makes them (gemm/dispatch.py, DQ_ONLY_ACTIVATIONS): each copy
-        # with its `_dq` written without its codes and scales
+        # with its `_dq` written without its codes and scales (named so that sass_cpu.py's
+        # `--only "both SR"` still picks one launch)
         (
-            "nvfp4 both + row dq, dq only (forward input)",
+            "nvfp4 dq only: both, row dq (forward input)",
             "nvfp4:both_dq",
             lambda: kernels.quantize_both_2d(
                 x, False, False, False, False, True, amax, amax_t, True, False, None, False
@@ -153,7 +154,7 @@ def cases(x: torch.Tensor) -> list[tuple[str, str, Callable[[], Any], float]]:
             nv1 + 2 * n,
         ),
         (
-            "nvfp4 both SR + dq, dq only (grad_output)",
+            "nvfp4 dq only: both stochastic + dq (grad_output)",
             "nvfp4:both_sr_dq",
             lambda: kernels.quantize_both_2d(
                 x, False, True, False, True, True, amax, amax_t, True, True, None, False
@@ -194,7 +195,7 @@ def cases(x: torch.Tensor) -> list[tuple[str, str, Callable[[], Any], float]]:
             2 * mx1 - 2 * n + 4 * n,
         ),
         (
-            "mxfp8 both + dq, dq only (grad_output)",
+            "mxfp8 dq only: both + dq (grad_output)",
             "mxfp8:both_dq",
             lambda: kernels.mxfp8_quantize_both(x, return_dq=True, codes=False),
             2 * n + 4 * n,
