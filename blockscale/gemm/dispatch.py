@@ -87,13 +87,6 @@ FUSED_FP32_MAX_K = 4096
 DQ_ONLY_ACTIVATIONS = True
 
 
-def activation_codes(backend: Backend) -> bool:
-    """Whether an activation copy made with its `_dq` must also hold its codes, for GEMMs on
-    the resolved `backend`: on the native one (it reads codes and scales), or with
-    `DQ_ONLY_ACTIVATIONS` off. The one place ops/linear.py and ops/grouped_mm.py ask."""
-    return backend is not Backend.EMULATED or not DQ_ONLY_ACTIVATIONS
-
-
 class Backend(StrEnum):
     """Where block-scaled GEMMs run. AUTO: native on compute capability >= 10.0, else emulated.
 
@@ -166,6 +159,13 @@ def resolve_backend(backend: Backend | str, device: torch.device) -> Backend:
             f"float4_e2m1fn_x2; got device {device} (torch {torch.__version__})"
         )
     return backend
+
+
+def activation_codes(backend: Backend) -> bool:
+    """Whether an activation copy made with its `_dq` must also hold its codes, for GEMMs on
+    the resolved `backend`: on the native one (it reads codes and scales), or with
+    `DQ_ONLY_ACTIVATIONS` off. The one place ops/linear.py and ops/grouped_mm.py ask."""
+    return backend is not Backend.EMULATED or not DQ_ONLY_ACTIVATIONS
 
 
 def _is_nvfp4(op: Operand) -> bool:

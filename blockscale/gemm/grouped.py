@@ -39,7 +39,7 @@ from blockscale import _library
 from blockscale.formats import e2m1
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import BLOCK, NVFP4Tensor, decode_scale
-from blockscale.gemm import dispatch, emulated, native
+from blockscale.gemm import emulated, native
 from blockscale.gemm.dispatch import Backend, resolve_backend
 
 # Whether the emulated rows GEMMs (output, grad_input) read the expert weight packed rather than
@@ -57,12 +57,6 @@ def packed_weight_rule(weight: torch.Tensor) -> bool:
     place that decides: ops/grouped_mm.py asks it whether the weight's copies need a `_dq`,
     and `grouped_mm_rows` whether to launch the packed kernel."""
     return PACKED_WEIGHT and _library.use_kernels(weight)
-
-
-def activation_codes(backend: Backend | str, device: torch.device) -> bool:
-    """Whether a grouped activation copy made with its `_dq` must also hold its codes
-    (gemm/dispatch.py's `activation_codes`, for the grouped GEMMs' resolved backend)."""
-    return dispatch.activation_codes(resolve_grouped_backend(backend, device))
 
 
 @dataclass

@@ -55,11 +55,10 @@ from typing import Any
 import torch
 
 from blockscale.formats.grouped import TokenLayout, token_layout
-from blockscale.gemm.dispatch import Backend
+from blockscale.gemm.dispatch import Backend, activation_codes
 from blockscale.gemm.grouped import (
     Operand,
     TransposedExperts,
-    activation_codes,
     grouped_mm_rows,
     grouped_mm_tokens,
     packed_weight_rule,
@@ -209,7 +208,7 @@ class _GroupedMM(torch.autograd.Function):
             wgrad_cfg = recipe.grad_weight.input_t if ctx.needs_input_grad[1] else None
             x_lp, x_t = quantize_grouped(
                 input, offs, layout, recipe.output.input, wgrad_cfg,
-                codes=activation_codes(backend, input.device),
+                codes=activation_codes(resolve_grouped_backend(backend, input.device)),
             )  # fmt: skip
             w_cfg = recipe.output.weight
             dgrad_cfg = recipe.grad_input.weight
@@ -273,7 +272,7 @@ class _GroupedMM(torch.autograd.Function):
                 recipe.grad_input.grad_output if ctx.needs_input_grad[0] else None,
                 recipe.grad_weight.grad_output_t if ctx.needs_input_grad[1] else None,
                 tokens_dq=True,
-                codes=activation_codes(ctx.backend, grad_output.device),
+                codes=activation_codes(resolve_grouped_backend(ctx.backend, grad_output.device)),
             )
             if ctx.needs_input_grad[0]:
                 if ctx.recompute:

@@ -331,7 +331,7 @@ def quantize_rows_and_tokens(
     row_lp = None
     if row is not None:
         row_lp = quantize_operand(
-            x, row, generator=generator, dq=row_dq, amax=row_amax, codes=codes or not row_dq
+            x, row, generator=generator, dq=row_dq, amax=row_amax, codes=codes
         )
     tokens_lp = None
     if tokens is not None:
