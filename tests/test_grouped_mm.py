@@ -22,6 +22,8 @@ must come out zero with zero gradient).
 """
 
 import importlib
+import os
+import shutil
 import subprocess
 import sys
 
@@ -621,6 +623,37 @@ def test_gpu_compiled_equals_eager():
     compiled = torch.compile(step)(x, w)
     for a, b in zip(eager, compiled):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_launches_stay_inside_their_tensors():
+    """Every launch of a grouped step reads and writes only inside its tensors, under CUDA's
+    memcheck with PyTorch's caching allocator off (each tensor then its own allocation, so a
+    read past a tensor's end is seen; inside the allocator's segments it passes unnoticed).
+    The large case's last band of tiles reaches past the token layout: the one-group row
+    launch read its group index there unmasked until 2026-11-29 (an illegal address in the
+    GPU suite, depending on what the allocator had placed after the layout)."""
+    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    if not os.path.exists(sanitizer):
+        pytest.skip("needs CUDA's compute-sanitizer")
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('t', {__file__!r})\n"
+        "t = importlib.util.module_from_spec(spec); spec.loader.exec_module(t)\n"
+        "for name, recipe in t.RECIPES.items():\n"
+        "    case = t._gpu_case([0, 1, 44, 117, 2048, 4000, 0, 1500], 77, k=1024, n=512)\n"
+        "    t._grouped_step(*case, recipe)\n"
+        "    t.torch.cuda.synchronize()\n"
+    )
+    env = {**os.environ, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+    done = subprocess.run(
+        [sanitizer, "--tool", "memcheck", "--error-exitcode", "3", "--print-limit", "3",
+         sys.executable, "-c", code],
+        capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "ERROR SUMMARY: 0 errors" in done.stdout + done.stderr
 
 
 @pytest.mark.gpu

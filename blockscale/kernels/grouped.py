@@ -224,7 +224,8 @@ def _nvfp4_grouped_kernel(
         x_ptr, stride_m, stride_k, src_ptr, p0, k0, P, K, BM, BK, GATHER
     )
     if ONE_GROUP:
-        g0 = tl.load(group_ptr + p0)
+        # (the last band's extra tiles start past P: group E there, every row masked off)
+        g0 = tl.load(group_ptr + p0, mask=p0 < P, other=E)
     if ROW:
         if ONE_GROUP:
             s_dec, mult = nvfp4_global(tl.load(amax_row_ptr + g0, mask=g0 < E, other=0.0))
