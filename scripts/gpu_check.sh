@@ -39,15 +39,16 @@
 #                                      --gemms), then the Mixtral-like model compiled with
 #                                      each launch in LAUNCHES (all three), one process each
 #                                      (~4 min; LAUNCHES="halves pointers" for fewer)
-#   scripts/gpu_check.sh dqonly OUT    activation copies written as their `_dq` alone (built
-#                                      2026-11-29, not yet timed): their GPU tests, then each
-#                                      MoE model's activation launches full and `dq only`
-#                                      (bench_moe_kernels) and bench_quantize's dense rows
-#                                      (~5 min)
+#   scripts/gpu_check.sh dqonly OUT    activation copies written as their `_dq` alone (the
+#                                      default since timed on 2026-11-29): their GPU tests
+#                                      (~2 min), then each MoE model's activation launches full
+#                                      and `dq only` (bench_moe_kernels; over 2 min for the
+#                                      two models) and bench_quantize's dense rows (~6 min)
 #   scripts/gpu_check.sh dqonly-models OUT  the same in the models: compiled Mixtral-like and
-#                                      llama-1b, BF16 / nvfp4 / mxfp8, with the new default and
+#                                      llama-1b, BF16 / nvfp4 / mxfp8, with the default and
 #                                      with --activation-codes (as before), one process each
-#                                      (~9 min)
+#                                      (Mixtral-like ~1 min a process, llama-1b over 2.5:
+#                                      ~8 min, close to a call's limit)
 #   scripts/gpu_check.sh dist OUT      two GPUs: the gpu-marked distributed tests (NCCL), then
 #                                      bench_distributed.py suite --parts "${PARTS:-exact,ep}"
 #                                      (HF_MODELS=llama-1b,..., HF_RANKS [0,2: one GPU
@@ -61,7 +62,7 @@ set -uo pipefail
 PYTHON=${PYTHON:-python3}
 part=${1:-}
 out=${2:-}
-[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,58p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,59p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
