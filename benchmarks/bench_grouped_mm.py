@@ -287,6 +287,20 @@ GEMM_CONFIGS = [
 ]
 
 
+def _gemm_configs(text: str) -> list[tuple[int, ...]]:
+    """'BM,BN,BK,WARPS,STAGES[,WS];...' -> the configs, for --gemm-configs (WS 1: the rows
+    GEMMs warp-specialized, kernels/grouped_gemm.py ROWS_WARP_SPECIALIZE)."""
+    configs = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        cfg = tuple(int(v) for v in part.split(","))
+        if len(cfg) not in (5, 6) or min(cfg[:5]) < 1 or cfg[5:] not in ((), (0,), (1,)):
+            raise argparse.ArgumentTypeError(f"{part!r} is not BM,BN,BK,WARPS,STAGES[,WS]")
+        configs.append(cfg if cfg[5:] != (0,) else cfg[:5])
+    if not configs:
+        raise argparse.ArgumentTypeError("no config given")
+    return configs
+
+
 def gemm_rows(k: int, n: int, m: int, e: int, device: torch.device, args) -> list[dict]:
     """The grouped GEMMs alone (BF16 operands): cuBLAS/CUTLASS `torch._grouped_mm` against
     the emulated kernels (with the per-group alpha) under each tile config."""
@@ -319,32 +333,49 @@ def gemm_rows(k: int, n: int, m: int, e: int, device: torch.device, args) -> lis
         )
     except RuntimeError as err:
         print(f"torch._grouped_mm with out_dtype=float32: {str(err).splitlines()[0]}")
-    for cfg in GEMM_CONFIGS:
-        gg.ROWS_CONFIG = gg.TOKENS_CONFIG = cfg
-        c = ",".join(map(str, cfg))
+    for cfg in args.gemm_configs or GEMM_CONFIGS:
+        c = ",".join(map(str, cfg[:5])) + (", warp-specialized" if len(cfg) == 6 else "")
         cases[f"ours output {c}"] = lambda: gg.grouped_gemm_rows(x, w, offs, amax)
         cases[f"ours grad_input {c}"] = lambda: gg.grouped_gemm_rows(
             go, w.transpose(-2, -1), offs, amax
         )
-        cases[f"ours grad_weight {c}"] = lambda: gg.grouped_gemm_tokens(
-            got, xt, layout.seg_ends, amax, torch.bfloat16
-        )
-        for name in (f"ours output {c}", f"ours grad_input {c}", f"ours grad_weight {c}"):
+        names = [f"ours output {c}", f"ours grad_input {c}"]
+        # grad_weight's K is the tokens: BK must divide a segment; it has no warp-specialized
+        # launch
+        if G.TOKEN_ALIGN % cfg[2] == 0 and len(cfg) == 5:
+            cases[f"ours grad_weight {c}"] = lambda: gg.grouped_gemm_tokens(
+                got, xt, layout.seg_ends, amax, torch.bfloat16
+            )
+            names.append(f"ours grad_weight {c}")
+        for name in names:
             fn = cases.pop(name)
             cases[name] = (cfg, fn)
     rows = []
 
     def record(name: str, fn) -> None:
-        timing = t(fn)
-        rows.append({"gemm": name, "M,K,N,E": f"{m},{k},{n},{e}", "us": timing.median_ms * 1e3,
+        row = {"gemm": name, "M,K,N,E": f"{m},{k},{n},{e}"}
+        try:
+            timing = t(fn)
+        except Exception as err:  # a swept config that does not fit (shared memory, registers)
+            rows.append({**row, "us": None, "tflops": None, "error": str(err).splitlines()[0]})
+            return
+        rows.append({**row, "us": timing.median_ms * 1e3,
                      "tflops": flop / (timing.median_ms * 1e-3) / 1e12})  # fmt: skip
 
+    ws_defaults = gg.ROWS_WARP_SPECIALIZE, gg.ROWS_WS_CONFIG
     for name, fn in cases.items():
         if isinstance(fn, tuple):
-            gg.ROWS_CONFIG = gg.TOKENS_CONFIG = fn[0]
-            fn = fn[1]
+            cfg, fn = fn
+            gg.ROWS_CONFIG = gg.TOKENS_CONFIG = gg.ROWS_WS_CONFIG = cfg[:5]
+            gg.ROWS_WARP_SPECIALIZE = len(cfg) == 6
         record(name, fn)
+        if gg.ROWS_WARP_SPECIALIZE and rows[-1]["us"] is not None:
+            # `equal`: the bits of the same tiles without warp specialization (one sum order)
+            ws_out = fn()
+            gg.ROWS_WARP_SPECIALIZE = False
+            rows[-1]["equal"] = torch.equal(ws_out, fn())
     gg.ROWS_CONFIG, gg.TOKENS_CONFIG = defaults
+    gg.ROWS_WARP_SPECIALIZE, gg.ROWS_WS_CONFIG = ws_defaults
     # the tile orders (bands of GROUP_M row tiles; kernels/grouped_gemm.py) at the default tiles
     orders = ("ROWS_GROUP_M_KMAJOR", "ROWS_GROUP_M_NMAJOR", "TOKENS_GROUP_M", "TOKENS_PERSISTENT")
     saved = {name: getattr(gg, name) for name in orders}
@@ -577,6 +608,15 @@ def main(argv: list[str] | None = None) -> int:
         help="with --kernels: time the per-group kernels once per tile given, set for the "
         "nvfp4 and mxfp8 both-direction kinds, stochastic or not (kernels.grouped.TILES)",
     )
+    parser.add_argument(
+        "--gemm-configs",
+        type=_gemm_configs,
+        default=None,
+        metavar="BM,BN,BK,WARPS,STAGES[;...]",
+        help="with --gemms: these tile configs instead of GEMM_CONFIGS (grad_weight only for "
+        "a BK dividing 64, its segments' alignment), e.g. '128,256,128,8,2;256,128,64,8,3' "
+        "for the short-K output GEMM of the down projections",
+    )
     replaced.add_arg(parser)
     tiles.add_arg(parser)
     args = parser.parse_args(argv)
@@ -605,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
             for m in tokens:
                 for e in experts:
                     out += gemm_rows(k, n, m, e, device, args)
-        harness.print_table(out, ["gemm", "M,K,N,E", "us", "tflops", "equal"])
+        harness.print_table(out, ["gemm", "M,K,N,E", "us", "tflops", "equal", "error"])
         if args.json:
             harness.write_json(
                 args.json, {"benchmark": "grouped_gemms", "banner": info, "rows": out}

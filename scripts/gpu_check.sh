@@ -49,6 +49,11 @@
 #                                      with --activation-codes (as before), one process each
 #                                      (Mixtral-like ~1 min a process, llama-1b over 2.5:
 #                                      ~8 min, close to a call's limit)
+#   scripts/gpu_check.sh rowsws OUT    the rows GEMMs warp-specialized (ROWS_WARP_SPECIALIZE,
+#                                      off until timed): its GPU test, then bench_grouped_mm
+#                                      --gemms at the Qwen3-like and DeepSeek-V3-like expert
+#                                      shapes (131072 rows) against CUTLASS and our default
+#                                      tiles, CONFIGS (--gemm-configs) overriding (not yet run)
 #   scripts/gpu_check.sh dist OUT      two GPUs: the gpu-marked distributed tests (NCCL), then
 #                                      bench_distributed.py suite --parts "${PARTS:-exact,ep}"
 #                                      (HF_MODELS=llama-1b,..., HF_RANKS [0,2: one GPU
@@ -62,7 +67,7 @@ set -uo pipefail
 PYTHON=${PYTHON:-python3}
 part=${1:-}
 out=${2:-}
-[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,59p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,64p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -146,6 +151,14 @@ dqonly)
     step "$PYTHON" benchmarks/bench_moe_kernels.py --models mixtral deepseek-v3 \
         --json "$out/moe_kernels_dq_only.json"
     step "$PYTHON" benchmarks/bench_quantize.py --json "$out/bench_quantize_dq_only.json" ;;
+rowsws)
+    step "$PYTHON" -m pytest -q -rf -m gpu -p no:cacheprovider tests/test_grouped_mm.py \
+        -k warp_specialized
+    cfgs=${CONFIGS:-"128,256,64,8,3;128,256,64,4,3,1;128,128,64,4,4,1;128,256,64,4,4,1;128,256,128,4,2,1"}
+    step "$PYTHON" benchmarks/bench_grouped_mm.py --gemms --shapes qwen3-up qwen3-down \
+        --tokens 131072 --experts 128 --gemm-configs "$cfgs" --json "$out/rows_ws_qwen3.json"
+    step "$PYTHON" benchmarks/bench_grouped_mm.py --gemms --shapes deepseek-up deepseek-down \
+        --tokens 131072 --experts 256 --gemm-configs "$cfgs" --json "$out/rows_ws_deepseek.json" ;;
 dqonly-models)
     for codes in "" --activation-codes; do
         step "$PYTHON" benchmarks/bench_moe_model.py --models mixtral --compile --memory none \
@@ -163,7 +176,7 @@ dist)
         ${HF_BATCH:+--hf-batch "$HF_BATCH"} ${HF_MODES:+--hf-modes "$HF_MODES"} \
         --json "$out/bench_distributed${TAG:+_$TAG}.json" ;;
 *) echo "unknown part '$part': tests, kernels, ab, sweep, linear, models, cublas, moe, train," \
-        "gradweight, dqonly, dqonly-models or dist" >&2
+        "gradweight, dqonly, dqonly-models, rowsws or dist" >&2
    exit 2 ;;
 esac
 echo "gpu_check $part: exit status $status (log $log)"

@@ -812,6 +812,59 @@ def test_gpu_fp32_grad_weight_launches_give_the_same_bits(monkeypatch):
 
 
 @pytest.mark.parametrize("b_layout", ["k-major", "n-major"])
+def test_warp_specialized_rows_launch_gives_the_same_bits(b_layout, monkeypatch):
+    """ROWS_WARP_SPECIALIZE: the rows kernel persistent (the N-major weight too) at
+    ROWS_WS_CONFIG's tiles, warp-specialized where compiled (the interpreter runs the same
+    persistent walk; the split into producer and consumer warps is the GPU test's). It must
+    give the bits of the same tiles without it; an FP32 output keeps one program a tile."""
+    gg = importlib.import_module("blockscale.kernels.grouped_gemm")
+    sizes = [0, 40, 17, 1, 33]
+    offs, a, b, amax, *_ = _gemm_kernel_operands(sizes, 9, b_layout, seed=6)
+    launches = []
+    real = gg._launch_rows
+    monkeypatch.setattr(gg, "_launch_rows", lambda *args: launches.append(args[-1]) or real(*args))
+    monkeypatch.setattr(gg, "ROWS_CONFIG", (16, 16, 16, 4, 2))
+    want = gg.grouped_gemm_rows(a, b, offs, amax, torch.bfloat16)
+    want32 = gg.grouped_gemm_rows(a, b, offs, amax, torch.float32)
+    monkeypatch.setattr(gg, "ROWS_WS_CONFIG", (16, 16, 16, 4, 2))
+    monkeypatch.setattr(gg, "ROWS_WARP_SPECIALIZE", True)
+    for name in ("ROWS_PERSISTENT_KMAJOR", "ROWS_PERSISTENT_NMAJOR"):
+        monkeypatch.setattr(gg, name, False)  # the switch alone makes the launch persistent
+    got = gg.grouped_gemm_rows(a, b, offs, amax, torch.bfloat16)
+    got32 = gg.grouped_gemm_rows(a, b, offs, amax, torch.float32)
+    assert (want[: sum(sizes)].reshape(-1, 4, 16).abs().sum(2) > 0).all()  # each row, tile
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(got32, want32, atol=0, rtol=0)
+    assert len(launches) == 4
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("b_layout", ["k-major", "n-major"])
+def test_gpu_warp_specialized_rows_launch_gives_the_same_bits(b_layout, monkeypatch):
+    """ROWS_WARP_SPECIALIZE on Hopper: the rows kernel split into a producer and two
+    consumer warpgroups (4 warps a config) compiles, runs and gives the bits of the same
+    tiles without it, at 128 uneven experts of the Qwen3-like down projection (K 768)."""
+    gg = importlib.import_module("blockscale.kernels.grouped_gemm")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sizes = torch.randint(0, 400, (128,), generator=g, device="cuda")
+    sizes[3] = 0
+    offs = sizes.cumsum(0).to(torch.int32)
+    m = int(offs[-1]) + 50
+    a = torch.randn(m, 768, generator=g, device="cuda").bfloat16()
+    b = torch.randn(128, 1024, 768, generator=g, device="cuda").bfloat16()
+    if b_layout == "n-major":
+        b = b.transpose(1, 2).contiguous().transpose(1, 2)
+    amax = tuple(torch.rand(128, generator=g, device="cuda") + 1 for _ in range(2))
+    monkeypatch.setattr(gg, "ROWS_CONFIG", gg.ROWS_WS_CONFIG)
+    want = gg.grouped_gemm_rows(a, b, offs, amax, torch.bfloat16)
+    monkeypatch.setattr(gg, "ROWS_WARP_SPECIALIZE", True)
+    got = gg.grouped_gemm_rows(a, b, offs, amax, torch.bfloat16)
+    assert want[: m - 50].abs().sum() > 0 and (want[m - 50 :] == 0).all()
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("b_layout", ["k-major", "n-major"])
 def test_grouped_gemm_tile_orders_give_the_same_bits(b_layout, monkeypatch):
     """ROWS_GROUP_M_* / TOKENS_GROUP_M only reorder the output tiles (kernels/gemm.py's `_tile`):
     with small tiles (4 column tiles, row tiles across five groups and the rows past

@@ -43,8 +43,10 @@ DEFAULT_CONFIG = (128, 256, 64, 8, 8, 3, 1, 0)
 # grouped grad_input kernel prefers 16 too (kernels/grouped_gemm.py). K-major outputs and FP32
 # outputs keep 8 (mixed or worse with 16).
 NMAJOR_CONFIG = (128, 256, 64, 16, 8, 3, 1, 0)
-# Warp-specialized (producer and consumer warps, Hopper): faster where the contraction is long
-# and there are many output tiles (measured on an H100: 16384 x 14336 -> 4096 output and
+# "Warp-specialized": at 8 warps Triton 3.6 compiles warp_specialize=True for sm_90 to the same
+# code as without it (docs/KERNELS.md, "Warp specialization on Hopper"), so what these two
+# configs change is the unflattened tile loop and, for NARROW_CONFIG, the 128x128 tile.
+# Faster where the contraction is long and there are many output tiles (measured on an H100: 16384 x 14336 -> 4096 output and
 # grad_input GEMMs, 2624 / 2632 us against 2691 / 2876 us with DEFAULT_CONFIG), slower on the
 # step's grad_weight GEMMs (long contraction, fewer tiles).
 LONG_K_CONFIG = (128, 256, 64, 8, 8, 3, 0, 1)

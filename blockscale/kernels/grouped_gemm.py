@@ -98,6 +98,16 @@ TOKENS_PERSISTENT_STAGES = 3
 # "per_tile"; the compiled Mixtral-like step was level with "halves" (0.949x / 0.970x BF16,
 # nvfp4 / mxfp8, against 0.950x / 0.964x; per_tile 0.927x / 0.936x).
 TOKENS_FP32_LAUNCH = "pointers"
+# The rows kernel (output and grad_input, BF16 outputs, the weight's `_dq`) persistent and
+# warp-specialized: Triton 3.6 splits it for sm_90 into a producer warpgroup (the TMA loads)
+# and two consumer warpgroups (wgmma, epilogue), registers rebalanced with setmaxnreg, only
+# with 4 warps a config (12 warps run; compiled on the CPU, docs/KERNELS.md, "Warp
+# specialization on Hopper"). With 8 warps the flag compiles to the same PTX as without.
+# Aimed at the down projection's output GEMM, whose short contraction (K 512-768) leaves
+# each tile's epilogue exposed (CUTLASS at 0.80x of its time). Off until timed on a GPU;
+# ROWS_WS_CONFIG is its tile (BM, BN, BK, num_warps, num_stages).
+ROWS_WARP_SPECIALIZE = False
+ROWS_WS_CONFIG = (128, 256, 64, 4, 3)
 TOKENS_FP32_LAUNCHES = ("per_tile", "halves", "pointers")
 # _tokens_tile's STORE: the output tile in one TMA store, in two halves, or from registers
 STORE_HALVES = tl.constexpr(1)
@@ -272,7 +282,7 @@ def _rows_kernel(
     B_FORMAT: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
 ):  # fmt: skip
     b_strides = (stride_qe, stride_qr, stride_se, stride_sr)  # (of a packed weight)
     # tile_ends[E]: the row tiles of all groups, the one past offs[-1] included
@@ -291,7 +301,8 @@ def _rows_kernel(
                            SEARCH_STEPS, BM, BN, BK)  # fmt: skip
                 tile_id += PROGRAMS
         else:
-            for tile_id in tl.range(tl.program_id(0), num_tiles, PROGRAMS, flatten=FLATTEN):
+            for tile_id in tl.range(tl.program_id(0), num_tiles, PROGRAMS, flatten=FLATTEN,
+                                    warp_specialize=WARP_SPECIALIZE):  # fmt: skip
                 t, pid_n = _tile(tile_id, num_row_tiles, num_pid_n, GROUP_M)
                 _rows_tile(a_desc, b_desc, bq_ptr, bs_ptr, b_strides, out_ptr, stride_om, offs_ptr,
                            tile_ends_ptr, amax_a_ptr, amax_b_ptr, t, pid_n, M, N, K, E,
@@ -414,14 +425,16 @@ def _grouped_gemm_rows(
     if not (M and N and K):  # no rows (an expert-parallel rank sent no tokens) or nothing
         out.zero_()  # to add: TMA descriptors take no empty dim
         return
-    bn, bk = ROWS_CONFIG[1:3]
+    ws = ROWS_WARP_SPECIALIZE and out.dtype == torch.bfloat16  # (as _launch_rows decides)
+    config = ROWS_WS_CONFIG if ws else ROWS_CONFIG
+    bn, bk = config[1:3]
     b_kmajor = b.stride(2) == 1
     b_read = b if b_kmajor else b.transpose(1, 2)
     for name, t in (("a", a), ("b", b_read)):
         _check_tma(name, t)
     b_desc = _descriptor(b_read, [1, bn, bk] if b_kmajor else [1, bk, bn])
     _launch_rows(a, b_desc, offs, offs, offs, amax_a, amax_b, out, E, N, b_kmajor, B_DQ.value,
-                 ROWS_CONFIG)  # fmt: skip
+                 config)  # fmt: skip
 
 
 def _launch_rows(a, b_desc, bq, bs, offs, amax_a, amax_b, out, E: int, N: int, b_kmajor: bool,
@@ -442,7 +455,8 @@ def _launch_rows(a, b_desc, bq, bs, offs, amax_a, amax_b, out, E: int, N: int, b
     dst = out.view(torch.int16) if bf16 else out
     a_desc = _descriptor(a, [bm, bk])
     has_alpha = amax_a is not None
-    persistent = bf16 and (ROWS_PERSISTENT_KMAJOR if b_kmajor else ROWS_PERSISTENT_NMAJOR)
+    ws = ROWS_WARP_SPECIALIZE and bf16 and not b_format
+    persistent = bf16 and (ws or (ROWS_PERSISTENT_KMAJOR if b_kmajor else ROWS_PERSISTENT_NMAJOR))
     programs, programs_key = _grid(a.device, tiles, persistent)
     direct(_rows_kernel, (programs,),
         a_desc, a_desc if b_desc is None else b_desc, bq, bs, *q_strides, *s_strides, dst, out.stride(0), offs, tile_ends,
@@ -450,7 +464,8 @@ def _launch_rows(a, b_desc, bq, bs, offs, amax_a, amax_b, out, E: int, N: int, b
         HAS_ALPHA=has_alpha, OUT_BF16=bf16, ASM=not interpreting(), B_KMAJOR=b_kmajor,
         B_FORMAT=b_format, DOT_F32=interpreting() or a.dtype == torch.float32,
         INTERPRET=interpreting(), SEARCH_STEPS=(E + 1).bit_length(),
-        BM=bm, BN=bn, BK=bk, PERSISTENT=persistent, PROGRAMS=programs_key, FLATTEN=persistent,
+        BM=bm, BN=bn, BK=bk, PERSISTENT=persistent, PROGRAMS=programs_key,
+        FLATTEN=persistent and not ws, WARP_SPECIALIZE=ws,
         GROUP_M=ROWS_GROUP_M_KMAJOR if b_kmajor else ROWS_GROUP_M_NMAJOR,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
