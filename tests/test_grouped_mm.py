@@ -840,28 +840,47 @@ def test_warp_specialized_rows_launch_gives_the_same_bits(b_layout, monkeypatch)
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.xfail(
+    strict=True,
+    reason="on an H200 (Triton 3.6, 2026-11-29) the warp-specialized launch did not finish: "
+    "this test ran past 60 s, a benchmark of it past 150 s (a hang, presumably; docs/KERNELS.md)",
+)
 @pytest.mark.parametrize("b_layout", ["k-major", "n-major"])
-def test_gpu_warp_specialized_rows_launch_gives_the_same_bits(b_layout, monkeypatch):
+def test_gpu_warp_specialized_rows_launch_gives_the_same_bits(b_layout):
     """ROWS_WARP_SPECIALIZE on Hopper: the rows kernel split into a producer and two
     consumer warpgroups (4 warps a config) compiles, runs and gives the bits of the same
-    tiles without it, at 128 uneven experts of the Qwen3-like down projection (K 768)."""
-    gg = importlib.import_module("blockscale.kernels.grouped_gemm")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    sizes = torch.randint(0, 400, (128,), generator=g, device="cuda")
-    sizes[3] = 0
-    offs = sizes.cumsum(0).to(torch.int32)
-    m = int(offs[-1]) + 50
-    a = torch.randn(m, 768, generator=g, device="cuda").bfloat16()
-    b = torch.randn(128, 1024, 768, generator=g, device="cuda").bfloat16()
-    if b_layout == "n-major":
-        b = b.transpose(1, 2).contiguous().transpose(1, 2)
-    amax = tuple(torch.rand(128, generator=g, device="cuda") + 1 for _ in range(2))
-    monkeypatch.setattr(gg, "ROWS_CONFIG", gg.ROWS_WS_CONFIG)
-    want = gg.grouped_gemm_rows(a, b, offs, amax, torch.bfloat16)
-    monkeypatch.setattr(gg, "ROWS_WARP_SPECIALIZE", True)
-    got = gg.grouped_gemm_rows(a, b, offs, amax, torch.bfloat16)
-    assert want[: m - 50].abs().sum() > 0 and (want[m - 50 :] == 0).all()
-    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    tiles without it, at 128 uneven experts of the Qwen3-like down projection (K 768). In a
+    process of its own with a time limit, since a launch that never finishes holds the GPU."""
+    code = f"""
+import torch
+from blockscale.kernels import grouped_gemm as gg
+g = torch.Generator(device="cuda").manual_seed(0)
+sizes = torch.randint(0, 400, (128,), generator=g, device="cuda")
+sizes[3] = 0
+offs = sizes.cumsum(0).to(torch.int32)
+m = int(offs[-1]) + 50
+a = torch.randn(m, 768, generator=g, device="cuda").bfloat16()
+b = torch.randn(128, 1024, 768, generator=g, device="cuda").bfloat16()
+if {b_layout!r} == "n-major":
+    b = b.transpose(1, 2).contiguous().transpose(1, 2)
+amax = tuple(torch.rand(128, generator=g, device="cuda") + 1 for _ in range(2))
+gg.ROWS_CONFIG = gg.ROWS_WS_CONFIG
+want = gg.grouped_gemm_rows(a, b, offs, amax, torch.bfloat16)
+gg.ROWS_WARP_SPECIALIZE = True
+got = gg.grouped_gemm_rows(a, b, offs, amax, torch.bfloat16)
+torch.cuda.synchronize()
+assert want[: m - 50].abs().sum() > 0 and (want[m - 50 :] == 0).all()
+assert torch.equal(got, want), "warp-specialized bits differ"
+print("same bits")
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the warp-specialized launch did not finish within 120 s")
+    assert done.returncode == 0 and "same bits" in done.stdout, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("b_layout", ["k-major", "n-major"])

@@ -104,8 +104,9 @@ TOKENS_FP32_LAUNCH = "pointers"
 # with 4 warps a config (12 warps run; compiled on the CPU, docs/KERNELS.md, "Warp
 # specialization on Hopper"). With 8 warps the flag compiles to the same PTX as without.
 # Aimed at the down projection's output GEMM, whose short contraction (K 512-768) leaves
-# each tile's epilogue exposed (CUTLASS at 0.80x of its time). Off until timed on a GPU;
-# ROWS_WS_CONFIG is its tile (BM, BN, BK, num_warps, num_stages).
+# each tile's epilogue exposed (CUTLASS at 0.80x of its time). Off: on an H200 (2026-11-29)
+# its first launch at the Qwen3-like down projection had not finished 150 s later (a hang,
+# presumably; not diagnosed). ROWS_WS_CONFIG is its tile (BM, BN, BK, num_warps, num_stages).
 ROWS_WARP_SPECIALIZE = False
 ROWS_WS_CONFIG = (128, 256, 64, 4, 3)
 TOKENS_FP32_LAUNCHES = ("per_tile", "halves", "pointers")
