@@ -16,8 +16,9 @@ weights arrive in FP32, the backward's gradients in BF16. Per model, one MoE lay
 - `act bw up` / `act bw down`: grad_output (BF16 [M, 2*width] / [M, hidden]): both copies with
   their `_dq` (NVFP4: stochastic rounding, Hadamard token copy);
 - each `act` launch again as `..., dq only`: every copy made with its `_dq` written without its
-  codes and scales, as the emulated step makes them since 2026-11-29 (gemm/grouped.py,
-  DQ_ONLY_ACTIVATIONS);
+  codes and scales, as the emulated step makes them since 2026-11-29 (gemm/dispatch.py,
+  DQ_ONLY_ACTIVATIONS); MXFP8's `weight ... row` and `row+col` too, their copy along K without
+  codes, as a step with no weight cache makes it where nothing keeps that copy (compiled);
 - NVFP4's group amax passes (activations: plain and Hadamard; weights: plain), timed once
   (their tile is kernels.grouped.AMAX_TILE, not swept).
 
@@ -166,12 +167,14 @@ def _launches(model: str, shape: tuple, recipe: str, device: torch.device) -> li
                     _nbytes(x) + 8 * p,
                 ))  # fmt: skip
         for name, w in weights.items():
-            for label, row, col in (("row", True, False), ("col", False, True),
-                                    ("row+col", True, True)):  # fmt: skip
+            for label, row, col, codes in (("row", True, False, True), ("col", False, True, True),
+                                           ("row+col", True, True, True),
+                                           ("row, dq only", True, False, False),
+                                           ("row+col, dq only", True, True, False)):  # fmt: skip
                 out.append(Launch(
                     f"{name} {label}", "mxfp8", launch_kind(row, col, row),
-                    lambda w=w, row=row, col=col: kg._mxfp8_quantize_grouped_2d(
-                        w, None, row, col, row, False),
+                    lambda w=w, row=row, col=col, codes=codes: kg._mxfp8_quantize_grouped_2d(
+                        w, None, row, col, row, False, codes, True),
                     _nbytes(w),
                 ))  # fmt: skip
         return out

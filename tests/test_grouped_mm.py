@@ -36,6 +36,7 @@ from blockscale.formats import grouped as G
 from blockscale.gemm import dispatch
 from blockscale.gemm import grouped as gemm_grouped
 from blockscale.ops import linear
+from blockscale.ops.weight_cache import WeightCache
 
 pytest.importorskip("triton")
 
@@ -288,6 +289,36 @@ def test_kernel_copies_without_codes_give_the_same_dq(hadamard):
     assert m_none is None and m_kept.data.shape == m_full[1][0].data.shape
 
 
+@pytest.mark.parametrize("block", ["16x16", "1x16"])
+def test_kernel_expert_copies_without_codes_give_the_same_dq(block):
+    """`codes=False` for the expert weights' copy along K: its `_dq` alone (data and scale
+    empty), the `_dq` and the amaxes bit for bit those of the full call; the MXFP8 pair's
+    copy along N keeps its codes, the same as the full pair's; a copy along N refuses it."""
+    kg = _library.kernels()
+    w = torch.randn(3, 64, 96, generator=torch.Generator().manual_seed(2)) * 0.1
+    (q_full, dq_full), (q_bare, dq_bare) = (
+        kg.nvfp4_quantize_experts(w, block, return_dq=True, codes=codes) for codes in (True, False)
+    )
+    assert q_full.data.shape[0] > 0 and q_bare.data.shape[0] == 0 and q_bare.scale.shape[0] == 0
+    assert q_bare.shape == q_full.shape == w.shape
+    torch.testing.assert_close(q_bare.amax, q_full.amax, atol=0, rtol=0)
+    torch.testing.assert_close(dq_bare, dq_full, atol=0, rtol=0)
+    if block == "1x16":  # (MXFP8 has one block shape: run it once)
+        return
+    ((k_full, kdq_full), n_full), ((k_bare, kdq_bare), n_bare) = (
+        kg.mxfp8_quantize_experts_pair(w, return_dq=True, codes=codes) for codes in (True, False)
+    )
+    assert k_full.data.shape[0] > 0 and k_bare.data.shape[0] == 0 and k_bare.shape == w.shape
+    torch.testing.assert_close(kdq_bare, kdq_full, atol=0, rtol=0)
+    for a, b in ((n_bare.data, n_full.data), (n_bare.scale, n_full.scale)):
+        torch.testing.assert_close(a.view(torch.uint8), b.view(torch.uint8), atol=0, rtol=0)
+    q_one, dq_one = kg.mxfp8_quantize_experts(w, return_dq=True, codes=False)
+    assert q_one.data.shape[0] == 0
+    torch.testing.assert_close(dq_one, kdq_full, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="along N keeps its codes"):
+        kg.mxfp8_quantize_experts(w, transpose=True, return_dq=True, codes=False)
+
+
 @pytest.mark.parametrize("name", ["nvfp4", "nvfp4_fwd_mxfp8_bwd", "mxfp8"])
 def test_dq_only_activations_give_the_same_step(name, monkeypatch):
     """gemm/dispatch.py's DQ_ONLY_ACTIVATIONS in a grouped GEMM: the emulated GEMMs read only the activation
@@ -308,15 +339,88 @@ def test_dq_only_activations_give_the_same_step(name, monkeypatch):
 
         return call
 
+    weights = []  # the expert weights' copies: codes asked for each
+
+    def spy_w(fn):
+        def call(*args, **kwargs):
+            weights.append(kwargs.get("codes", True))
+            return fn(*args, **kwargs)
+
+        return call
+
     for name_ in ("nvfp4_quantize_grouped", "mxfp8_quantize_grouped"):
         monkeypatch.setattr(kg, name_, spy(getattr(kg, name_)))
+    for name_ in (
+        "nvfp4_quantize_experts",
+        "mxfp8_quantize_experts",
+        "mxfp8_quantize_experts_pair",
+    ):
+        monkeypatch.setattr(kg, name_, spy_w(getattr(kg, name_)))
     steps = {}
     for dq_only in (False, True):
         monkeypatch.setattr(dispatch, "DQ_ONLY_ACTIVATIONS", dq_only)
         asked.clear()
+        weights.clear()
         torch.manual_seed(5)
         steps[dq_only] = _grouped_step(x, w, grad, offs, recipe)
         assert asked and all(codes == (not dq_only,) * 2 for codes in asked), asked
+        # no cache and nothing saved: the weight copies along K are made without codes too
+        # (every recipe rebuilds grad_input's copy in the backward: the weight is a leaf)
+        assert weights and (False in weights) == dq_only, weights
+    for got, want in zip(steps[True], steps[False]):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    # with a weight cache every copy keeps its codes (the cache keeps them packed), same bits
+    weights.clear()
+    torch.manual_seed(5)
+    x_c, w_c = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = bs.grouped_mm(
+        x_c, w_c.transpose(-2, -1), offs, recipe, weight_cache=WeightCache(from_first_use=True)
+    )
+    out.backward(grad)
+    assert weights and all(weights), weights
+    for got, want in zip((out.detach(), x_c.grad, w_c.grad), steps[True]):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8"])
+def test_dq_only_weight_copy_of_a_cast_weight(name, monkeypatch):
+    """A weight made in the forward (a cast of the parameter, as compiled transformers models
+    pass it) is not rebuilt in the backward: MXFP8 makes both copies from one read, the copy
+    along K without codes (nothing keeps it) and the copy along N with them (saved); NVFP4's
+    shared 16x16 copy is saved for grad_input, so it keeps its codes. Same bits either way."""
+    recipe = recipes.get(name)
+    sizes, tail = GROUPINGS["uneven-with-empty-and-tail"]
+    x, w, grad, offs = _data(sizes, tail, k=64, n=64)
+    _kernels_on(monkeypatch)
+    kg = _library.kernels()
+    calls = []
+
+    def spy(name_, fn):
+        def call(*args, **kwargs):
+            calls.append((name_, kwargs.get("codes", True)))
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name_ in (
+        "nvfp4_quantize_experts",
+        "mxfp8_quantize_experts",
+        "mxfp8_quantize_experts_pair",
+    ):
+        monkeypatch.setattr(kg, name_, spy(name_, getattr(kg, name_)))
+    steps = {}
+    for dq_only in (False, True):
+        monkeypatch.setattr(dispatch, "DQ_ONLY_ACTIVATIONS", dq_only)
+        calls.clear()
+        torch.manual_seed(5)
+        x_s, w_s = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = bs.grouped_mm(x_s, (w_s * 1.0).transpose(-2, -1), offs, recipe)
+        out.backward(grad)
+        steps[dq_only] = out.detach(), x_s.grad, w_s.grad
+        if name == "mxfp8":
+            assert calls == [("mxfp8_quantize_experts_pair", not dq_only)], calls
+        else:
+            assert calls == [("nvfp4_quantize_experts", True)], calls
     for got, want in zip(steps[True], steps[False]):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
 

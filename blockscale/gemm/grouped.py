@@ -67,10 +67,11 @@ class TransposedExperts:
     base: NVFP4Tensor
 
     def __post_init__(self) -> None:
-        if self.base.block != "16x16" or self.base.data.dim() != 3:
+        # (the shape, not the data: a copy written as its `_dq` alone has empty [0, K/2] data)
+        if self.base.block != "16x16" or len(self.base.shape) != 3:
             raise ValueError(
                 f"only 3-D 16x16 NVFP4 expert weights transpose exactly (block="
-                f"{self.base.block}, dims={self.base.data.dim()})"
+                f"{self.base.block}, dims={len(self.base.shape)})"
             )
 
     @property

@@ -517,14 +517,18 @@ def nvfp4_quantize_experts(
     block: str = "16x16",
     return_dq: bool = False,
     amax: torch.Tensor | None = None,
+    codes: bool = True,
 ):
     """Expert weights w [E, N, K] quantized along K, each expert with its own amax (one pass
     for the amaxes unless `amax` [E] is given, one for the codes).
-    formats.grouped.nvfp4_quantize_experts, fast."""
+    formats.grouped.nvfp4_quantize_experts, fast. `codes=False` with `return_dq`: the `_dq`
+    alone, the container's data and scale empty (a copy that feeds only emulated GEMMs and
+    is kept by nothing)."""
     w2, group, amax = _expert_rows(w, amax)
     data, scale, dq, *_ = _nvfp4_quantize_grouped_2d(
         w2, None, group, amax, amax, None, row=True, col=False, row_2d=block == "16x16",
         row_sr=False, col_sr=False, col_hadamard=False, dq_row=return_dq, dq_col=False,
+        row_codes=codes,
     )  # fmt: skip
     q = _nvfp4_grouped(data, scale, amax, w.shape, block, False)
     return (q, dq.reshape(w.shape)) if return_dq else q
@@ -572,15 +576,18 @@ def mxfp8_quantize_grouped(
     return row_out, tok_out
 
 
-def _mxfp8_experts(w: torch.Tensor, row: bool, col: bool, dq_row: bool, dq_col: bool):
+def _mxfp8_experts(
+    w: torch.Tensor, row: bool, col: bool, dq_row: bool, dq_col: bool, row_codes: bool = True
+):
     """Expert weights w [E, N, K] in MXFP8 along K ([E, N, K]) and/or along N ([E, K, N], a
     strided view per expert), both from one read of w: the [E*N, K] rows in one launch (blocks
     of 32 along N never cross experts, N % 32 == 0; 64-bit offsets, since a stack of experts
     passes 2^31 values). Returns (copy along K | None, copy along N | None), each `(q, dq)`
-    where its `_dq` was asked for, else q."""
+    where its `_dq` was asked for, else q. `row_codes=False`: the copy along K, made with its
+    `_dq`, is that `_dq` alone (the copy along N keeps its codes: its views need them)."""
     E, N, K = w.shape
     data, scale, dq, data_t, scale_t, dq_t = _mxfp8_quantize_grouped_2d(
-        w.reshape(E * N, K), None, row, col, dq_row, dq_col
+        w.reshape(E * N, K), None, row, col, dq_row, dq_col, row_codes, True
     )
     along_k = along_n = None
     if row:
@@ -597,16 +604,22 @@ def _mxfp8_experts(w: torch.Tensor, row: bool, col: bool, dq_row: bool, dq_col: 
     return along_k, along_n
 
 
-def mxfp8_quantize_experts(w: torch.Tensor, transpose: bool = False, return_dq: bool = False):
+def mxfp8_quantize_experts(
+    w: torch.Tensor, transpose: bool = False, return_dq: bool = False, codes: bool = True
+):
     """Expert weights w [E, N, K] in MXFP8 along K ([E, N, K]) or along N ([E, K, N], a
-    strided view per expert), with its `_dq` if `return_dq`."""
-    along_k, along_n = _mxfp8_experts(w, not transpose, transpose, return_dq, return_dq)
+    strided view per expert), with its `_dq` if `return_dq`; `codes=False` (along K, with the
+    `_dq`): the `_dq` alone."""
+    if transpose and not codes:
+        raise ValueError("a copy along N keeps its codes (codes=False is for the copy along K)")
+    along_k, along_n = _mxfp8_experts(w, not transpose, transpose, return_dq, return_dq, codes)
     return along_n if transpose else along_k
 
 
-def mxfp8_quantize_experts_pair(w: torch.Tensor, return_dq: bool = False):
+def mxfp8_quantize_experts_pair(w: torch.Tensor, return_dq: bool = False, codes: bool = True):
     """Both MXFP8 copies of expert weights w [E, N, K] from one read (a forward that keeps the
     copy along N for grad_input): (copy along K, with its `_dq` if `return_dq`; copy along N,
     packed). The bits of two `mxfp8_quantize_experts` calls; one FP32 read of the weights
-    instead of two (docs/KERNELS.md, "The MoE models' own launches")."""
-    return _mxfp8_experts(w, True, True, return_dq, False)
+    instead of two (docs/KERNELS.md, "The MoE models' own launches"). `codes=False` with
+    `return_dq`: the copy along K as its `_dq` alone."""
+    return _mxfp8_experts(w, True, True, return_dq, False, codes)

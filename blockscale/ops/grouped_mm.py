@@ -145,18 +145,21 @@ def _dgrad_weight(
     amax: torch.Tensor | None,
     cache: WeightCache | None = None,
     stamp: Stamp | None = None,
+    codes: bool = True,
 ) -> Operand:
     """grad_input's expert-weight operand rebuilt in the backward, with its `_dq` (none where
     the rows GEMM reads the weight packed, gemm/grouped.py's `packed_weight_rule`): the 16x16
     forward copy again, transposed, when `shared`, else the copy along N; the same bits as
     the forward's (round-to-nearest, each expert scaled with the forward copy's amax, `amax`;
     None for MXFP8, which has none). With a `cache`, the copy the forward's `stamp` left
-    there, or a new one kept there."""
+    there, or a new one kept there. `codes=False` (no cache, emulated GEMMs): the 16x16 copy
+    as its `_dq` alone, since nothing keeps it (the copy along N keeps its codes)."""
     weight = weight_t.transpose(-2, -1)
     cfg = recipe.output.weight if shared else recipe.grad_input.weight
+    codes = codes or cache is not None or not shared
 
     def make(dq: bool) -> QuantizedOperand:
-        return quantize_experts(weight, cfg, transpose=not shared, dq=dq, amax=amax)
+        return quantize_experts(weight, cfg, transpose=not shared, dq=dq, amax=amax, codes=codes)
 
     dq = not packed_weight_rule(weight)  # a GEMM that reads the weight packed needs no `_dq`
     w_lp = cached_weight(cache, stamp, make, cfg, not shared, dq=dq, renew=False)
@@ -170,6 +173,7 @@ def _weight_pair(
     dq: bool,
     cache: WeightCache | None,
     stamp: Stamp | None,
+    codes: bool = True,
 ) -> tuple[QuantizedOperand, QuantizedOperand] | None:
     """The forward's copy along K (with its `_dq` if `dq`) and grad_input's copy along N,
     packed, from one read of the expert weights (`quantize_experts_pair`), offered to `cache`
@@ -182,7 +186,7 @@ def _weight_pair(
         cache.keep_dq or any(cache.get(stamp, key) is not None for key in keys)
     ):
         return None  # (a `keep_dq` cache keeps the copy along N with its `_dq`: made alone)
-    pair = quantize_experts_pair(weight, w_cfg, dgrad_cfg, dq=dq)
+    pair = quantize_experts_pair(weight, w_cfg, dgrad_cfg, dq=dq, codes=codes)
     if pair is not None and cache is not None:
         for key, op in zip(keys, pair):
             cache.keep(stamp, key, op)  # (a cache is handed in with its stamp, grouped_mm)
@@ -204,12 +208,12 @@ class _GroupedMM(torch.autograd.Function):
     ) -> torch.Tensor:
         weight = weight_t.transpose(-2, -1)  # [E, N, K], usually the parameter itself
         layout = token_layout(offs, input.shape[0])
+        codes = activation_codes(resolve_grouped_backend(backend, input.device))
         with autocast_off(input.device.type):
             wgrad_cfg = recipe.grad_weight.input_t if ctx.needs_input_grad[1] else None
             x_lp, x_t = quantize_grouped(
-                input, offs, layout, recipe.output.input, wgrad_cfg,
-                codes=activation_codes(resolve_grouped_backend(backend, input.device)),
-            )  # fmt: skip
+                input, offs, layout, recipe.output.input, wgrad_cfg, codes=codes
+            )
             w_cfg = recipe.output.weight
             dgrad_cfg = recipe.grad_input.weight
             ctx.shared = dgrad_cfg.block == "16x16" and dgrad_cfg == recipe.output.weight
@@ -218,14 +222,22 @@ class _GroupedMM(torch.autograd.Function):
                 weight_t, dgrad_cfg, under_trace=False
             )
 
+            # The forward's weight copy needs its codes only where something keeps it: the
+            # cache, or the backward (the shared 16x16 copy saved for grad_input), or where
+            # the GEMMs may read codes (`codes`, the activations' rule: the native backend)
+            keeps_w = cache is not None or (
+                ctx.shared and ctx.needs_input_grad[0] and not ctx.recompute
+            )
+            w_codes = codes or keeps_w
+
             def make_w(dq: bool) -> QuantizedOperand:
-                return quantize_experts(weight, w_cfg, dq=dq)
+                return quantize_experts(weight, w_cfg, dq=dq, codes=w_codes)
 
             dq = not packed_weight_rule(weight)  # (gemm/grouped.py)
             # A forward that keeps grad_input's copy along N makes both from one read
             w_pair = None
             if ctx.needs_input_grad[0] and not (ctx.recompute or ctx.shared):
-                w_pair = _weight_pair(weight, w_cfg, dgrad_cfg, dq, cache, stamp)
+                w_pair = _weight_pair(weight, w_cfg, dgrad_cfg, dq, cache, stamp, w_codes)
             w_lp = w_pair[0] if w_pair else cached_weight(cache, stamp, make_w, w_cfg, False, dq=dq)
             out = grouped_mm_rows(x_lp, w_lp, offs, out_dtype, backend)
             w_tensors: list[torch.Tensor] = []
@@ -278,8 +290,9 @@ class _GroupedMM(torch.autograd.Function):
                 if ctx.recompute:
                     amax = saved[1] if n == 2 else None
                     weight_t = _dgrad_weight(
-                        saved[0], recipe, ctx.shared, amax, ctx.cache, ctx.stamp
-                    )
+                        saved[0], recipe, ctx.shared, amax, ctx.cache, ctx.stamp,
+                        codes=activation_codes(resolve_grouped_backend(ctx.backend, saved[0].device)),
+                    )  # fmt: skip
                 else:
                     weight_t = cached_dgrad_weight(ctx.cache, ctx.stamp, recipe, ctx.shared)
                     if weight_t is None:

@@ -505,13 +505,20 @@ def quantize_experts(
     transpose: bool = False,
     dq: bool = False,
     amax: torch.Tensor | None = None,
+    *,
+    codes: bool = True,
 ) -> QuantizedOperand:
     """Expert weights w [E, N, K] quantized per `config`, each expert with its own amax: along K
     ([E, N, K]), or with transpose=True along N ([E, K, N], the grad_input copy). `amax` (NVFP4
     only, FP32 [E]): the experts' amaxes to scale with instead of finding them (a backward
-    rebuilding the forward's copy); ignored for MXFP8, which has none."""
+    rebuilding the forward's copy); ignored for MXFP8, which has none. `codes=False` (a copy
+    along K with its `_dq`, for a caller whose GEMMs read only the `_dq` and that keeps
+    nothing of it): the `_dq` alone, `data` and `scale` empty; the reference path writes
+    them as usual."""
     if not config.quantized:
         raise ValueError("quantize_experts needs a quantized config (BF16 weights are used as is)")
+    if transpose and not codes:
+        raise ValueError("a copy along N keeps its codes (codes=False is for the copy along K)")
     kernels = _library.use_kernels(w)
     if config.format is Format.NVFP4:
         if transpose and config.block == "16x16":
@@ -521,25 +528,33 @@ def quantize_experts(
         if transpose:
             out = _kernels().nvfp4_quantize_experts_t(w, return_dq=dq, amax=amax)
         else:
-            out = _kernels().nvfp4_quantize_experts(w, config.block, return_dq=dq, amax=amax)
+            out = _kernels().nvfp4_quantize_experts(
+                w, config.block, return_dq=dq, amax=amax, codes=codes
+            )
     else:
         if not kernels:
             return grouped.mxfp8_quantize_experts(w, transpose=transpose)
-        out = _kernels().mxfp8_quantize_experts(w, transpose=transpose, return_dq=dq)
+        out = _kernels().mxfp8_quantize_experts(w, transpose=transpose, return_dq=dq, codes=codes)
     return as_operand(*out) if dq else as_operand(out)
 
 
 def quantize_experts_pair(
-    w: torch.Tensor, config: OperandConfig, config_t: OperandConfig, dq: bool = False
+    w: torch.Tensor,
+    config: OperandConfig,
+    config_t: OperandConfig,
+    dq: bool = False,
+    *,
+    codes: bool = True,
 ) -> tuple[QuantizedOperand, QuantizedOperand] | None:
     """Both copies of expert weights w [E, N, K] from one read, for a forward that keeps the
     copy along N for grad_input: (along K per `config`, with its `_dq` if `dq`; along N per
     `config_t`, packed), the bits of two `quantize_experts` calls. None where one launch cannot
     make both: formats other than MXFP8 for both (an NVFP4 1x16 pair would share one amax
-    pass but is not wired; NVFP4 16x16 shares its one copy already), or the CPU reference."""
+    pass but is not wired; NVFP4 16x16 shares its one copy already), or the CPU reference.
+    `codes=False`: the copy along K as `quantize_experts(codes=False)` makes it."""
     if not (config.format is Format.MXFP8 and config_t.format is Format.MXFP8):
         return None
     if not _library.use_kernels(w):
         return None
-    along_k, along_n = _kernels().mxfp8_quantize_experts_pair(w, return_dq=dq)
+    along_k, along_n = _kernels().mxfp8_quantize_experts_pair(w, return_dq=dq, codes=codes)
     return (as_operand(*along_k) if dq else as_operand(along_k)), as_operand(along_n)
