@@ -319,6 +319,18 @@ def test_kernel_expert_copies_without_codes_give_the_same_dq(block):
         kg.mxfp8_quantize_experts(w, transpose=True, return_dq=True, codes=False)
 
 
+def _codes_spy(log, fn, default, label=None):
+    """`fn` that first appends the `codes` it was asked for (or `default`) to `log`, paired
+    with `label` where one is given."""
+
+    def call(*args, **kwargs):
+        codes = kwargs.get("codes", default)
+        log.append(codes if label is None else (label, codes))
+        return fn(*args, **kwargs)
+
+    return call
+
+
 @pytest.mark.parametrize("name", ["nvfp4", "nvfp4_fwd_mxfp8_bwd", "mxfp8"])
 def test_dq_only_activations_give_the_same_step(name, monkeypatch):
     """gemm/dispatch.py's DQ_ONLY_ACTIVATIONS in a grouped GEMM: the emulated GEMMs read only the activation
@@ -331,31 +343,15 @@ def test_dq_only_activations_give_the_same_step(name, monkeypatch):
     _kernels_on(monkeypatch)
     kg = _library.kernels()
     asked = []
-
-    def spy(fn):
-        def call(*args, **kwargs):
-            asked.append(kwargs.get("codes", (True, True)))
-            return fn(*args, **kwargs)
-
-        return call
-
     weights = []  # the expert weights' copies: codes asked for each
-
-    def spy_w(fn):
-        def call(*args, **kwargs):
-            weights.append(kwargs.get("codes", True))
-            return fn(*args, **kwargs)
-
-        return call
-
     for name_ in ("nvfp4_quantize_grouped", "mxfp8_quantize_grouped"):
-        monkeypatch.setattr(kg, name_, spy(getattr(kg, name_)))
+        monkeypatch.setattr(kg, name_, _codes_spy(asked, getattr(kg, name_), (True, True)))
     for name_ in (
         "nvfp4_quantize_experts",
         "mxfp8_quantize_experts",
         "mxfp8_quantize_experts_pair",
     ):
-        monkeypatch.setattr(kg, name_, spy_w(getattr(kg, name_)))
+        monkeypatch.setattr(kg, name_, _codes_spy(weights, getattr(kg, name_), True))
     steps = {}
     for dq_only in (False, True):
         monkeypatch.setattr(dispatch, "DQ_ONLY_ACTIVATIONS", dq_only)
@@ -394,20 +390,12 @@ def test_dq_only_weight_copy_of_a_cast_weight(name, monkeypatch):
     _kernels_on(monkeypatch)
     kg = _library.kernels()
     calls = []
-
-    def spy(name_, fn):
-        def call(*args, **kwargs):
-            calls.append((name_, kwargs.get("codes", True)))
-            return fn(*args, **kwargs)
-
-        return call
-
     for name_ in (
         "nvfp4_quantize_experts",
         "mxfp8_quantize_experts",
         "mxfp8_quantize_experts_pair",
     ):
-        monkeypatch.setattr(kg, name_, spy(name_, getattr(kg, name_)))
+        monkeypatch.setattr(kg, name_, _codes_spy(calls, getattr(kg, name_), True, name_))
     steps = {}
     for dq_only in (False, True):
         monkeypatch.setattr(dispatch, "DQ_ONLY_ACTIVATIONS", dq_only)
