@@ -105,8 +105,11 @@ TOKENS_FP32_LAUNCH = "pointers"
 # specialization on Hopper"). With 8 warps the flag compiles to the same PTX as without.
 # Aimed at the down projection's output GEMM, whose short contraction (K 512-768) leaves
 # each tile's epilogue exposed (CUTLASS at 0.80x of its time). Off: on an H200 (2026-11-29)
-# its first launch at the Qwen3-like down projection had not finished 150 s later (a hang,
-# presumably; not diagnosed). ROWS_WS_CONFIG is its tile (BM, BN, BK, num_warps, num_stages).
+# its first launch at the Qwen3-like down projection had not finished 150 s later, with A
+# through the host-made descriptor, whose 128-row box the split copies (64 rows a consumer)
+# did not match. It now makes A's descriptor in the kernel (A_DEVICE_DESC; a 64-row box in
+# the compiled code), not yet run on a GPU. ROWS_WS_CONFIG is its tile (BM, BN, BK,
+# num_warps, num_stages).
 ROWS_WARP_SPECIALIZE = False
 ROWS_WS_CONFIG = (128, 256, 64, 4, 3)
 TOKENS_FP32_LAUNCHES = ("per_tile", "halves", "pointers")
@@ -284,7 +287,14 @@ def _rows_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
     GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
+    A_DEVICE_DESC: tl.constexpr = False, a_ptr=None, stride_am=None,
 ):  # fmt: skip
+    if A_DEVICE_DESC:
+        # a descriptor made here, whose box the compiler may shape: warp-specialized, each
+        # consumer's half of the row tile is copied with a box of that half (a host-made
+        # descriptor keeps the host's BM rows; docs/KERNELS.md, "Warp specialization on Hopper")
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
+                                           block_shape=[BM, BK])  # fmt: skip
     b_strides = (stride_qe, stride_qr, stride_se, stride_sr)  # (of a packed weight)
     # tile_ends[E]: the row tiles of all groups, the one past offs[-1] included
     num_row_tiles = tl.load(tile_ends_ptr + E)
@@ -459,6 +469,10 @@ def _launch_rows(a, b_desc, bq, bs, offs, amax_a, amax_b, out, E: int, N: int, b
     ws = ROWS_WARP_SPECIALIZE and bf16 and not b_format
     persistent = bf16 and (ws or (ROWS_PERSISTENT_KMAJOR if b_kmajor else ROWS_PERSISTENT_NMAJOR))
     programs, programs_key = _grid(a.device, tiles, persistent)
+    if ws:
+        # the device-made descriptor's 128 bytes a program come from Triton's allocator, which
+        # is per thread (a ContextVar): set here, where the backward's thread launches too
+        triton.set_allocator(_scratch)
     direct(_rows_kernel, (programs,),
         a_desc, a_desc if b_desc is None else b_desc, bq, bs, *q_strides, *s_strides, dst, out.stride(0), offs, tile_ends,
         amax_a if has_alpha else offs, amax_b if has_alpha else offs, M, N, K, E, num_pid_n,
@@ -468,6 +482,7 @@ def _launch_rows(a, b_desc, bq, bs, offs, amax_a, amax_b, out, E: int, N: int, b
         BM=bm, BN=bn, BK=bk, PERSISTENT=persistent, PROGRAMS=programs_key,
         FLATTEN=persistent and not ws, WARP_SPECIALIZE=ws,
         GROUP_M=ROWS_GROUP_M_KMAJOR if b_kmajor else ROWS_GROUP_M_NMAJOR,
+        A_DEVICE_DESC=ws, a_ptr=a if ws else None, stride_am=a.stride(0) if ws else None,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
@@ -498,6 +513,12 @@ def _grouped_gemm_rows_packed(
 @_grouped_gemm_rows_packed.op.register_fake
 def _(a, b_data, b_scale, offs, amax_a, amax_b, out, b_format, b_kmajor) -> None:
     return None
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Triton's runtime allocator (global scratch: the device-made tensor descriptors)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.empty(size, dtype=torch.int8, device=device)
 
 
 def _grid(device: torch.device, tiles: int, persistent: bool) -> tuple[int, int]:
