@@ -52,7 +52,8 @@ cross-entropy, backward, clipping at 1.0, fused AdamW. "compile" is plain
 Sized for one model per 10-minute device call (both modes, bf16 / nvfp4 / mxfp8 and six memory
 processes; the whole never timed in one call; in parts on an H200, 2026-11-29: a model's
 compiled rows without memory processes about 100 s, two models' eager rows with theirs about
-230 s): split with --models, and --eager / --compile if a model does not fit. Every row is written to --out as it finishes, so a run cut short keeps its rows.
+230 s): split with --models, and --eager / --compile if a model does not fit. Every row is
+written to --out as it finishes, so a run cut short keeps its rows.
 
     python benchmarks/bench_moe_model.py --models qwen3-30b-a3b \\
         --out docs/results/bench_moe_model_qwen3_h100.json

@@ -98,6 +98,7 @@ TOKENS_PERSISTENT_STAGES = 3
 # "per_tile"; the compiled Mixtral-like step was level with "halves" (0.949x / 0.970x BF16,
 # nvfp4 / mxfp8, against 0.950x / 0.964x; per_tile 0.927x / 0.936x).
 TOKENS_FP32_LAUNCH = "pointers"
+TOKENS_FP32_LAUNCHES = ("per_tile", "halves", "pointers")
 # The rows kernel (output and grad_input, BF16 outputs, the weight's `_dq`) persistent and
 # warp-specialized: Triton 3.6 splits it for sm_90 into a producer warpgroup (the TMA loads)
 # and two consumer warpgroups (wgmma, epilogue), registers rebalanced with setmaxnreg, only
@@ -112,7 +113,6 @@ TOKENS_FP32_LAUNCH = "pointers"
 # num_warps, num_stages).
 ROWS_WARP_SPECIALIZE = False
 ROWS_WS_CONFIG = (128, 256, 64, 4, 3)
-TOKENS_FP32_LAUNCHES = ("per_tile", "halves", "pointers")
 # _tokens_tile's STORE: the output tile in one TMA store, in two halves, or from registers
 STORE_HALVES = tl.constexpr(1)
 STORE_POINTERS = tl.constexpr(2)
@@ -436,8 +436,7 @@ def _grouped_gemm_rows(
     if not (M and N and K):  # no rows (an expert-parallel rank sent no tokens) or nothing
         out.zero_()  # to add: TMA descriptors take no empty dim
         return
-    ws = ROWS_WARP_SPECIALIZE and out.dtype == torch.bfloat16  # (as _launch_rows decides)
-    config = ROWS_WS_CONFIG if ws else ROWS_CONFIG
+    config = ROWS_WS_CONFIG if _warp_specialized(out, B_DQ.value) else ROWS_CONFIG
     bn, bk = config[1:3]
     b_kmajor = b.stride(2) == 1
     b_read = b if b_kmajor else b.transpose(1, 2)
@@ -464,9 +463,9 @@ def _launch_rows(a, b_desc, bq, bs, offs, amax_a, amax_b, out, E: int, N: int, b
     tiles = (cdiv(M, bm) + E + 1) * num_pid_n
     bf16 = out.dtype == torch.bfloat16
     dst = out.view(torch.int16) if bf16 else out
-    a_desc = _descriptor(a, [bm, bk])
+    ws = _warp_specialized(out, b_format)
+    a_desc = None if ws else _descriptor(a, [bm, bk])  # (warp-specialized: made in the kernel)
     has_alpha = amax_a is not None
-    ws = ROWS_WARP_SPECIALIZE and bf16 and not b_format
     persistent = bf16 and (ws or (ROWS_PERSISTENT_KMAJOR if b_kmajor else ROWS_PERSISTENT_NMAJOR))
     programs, programs_key = _grid(a.device, tiles, persistent)
     if ws:
@@ -513,6 +512,12 @@ def _grouped_gemm_rows_packed(
 @_grouped_gemm_rows_packed.op.register_fake
 def _(a, b_data, b_scale, offs, amax_a, amax_b, out, b_format, b_kmajor) -> None:
     return None
+
+
+def _warp_specialized(out: torch.Tensor, b_format: int) -> bool:
+    """Whether a rows launch runs warp-specialized (ROWS_WARP_SPECIALIZE): BF16 outputs
+    with the weight's `_dq` only; the one place that decides, for its tiles and its launch."""
+    return ROWS_WARP_SPECIALIZE and out.dtype == torch.bfloat16 and b_format == B_DQ.value
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:

@@ -208,7 +208,9 @@ class _GroupedMM(torch.autograd.Function):
     ) -> torch.Tensor:
         weight = weight_t.transpose(-2, -1)  # [E, N, K], usually the parameter itself
         layout = token_layout(offs, input.shape[0])
-        codes = activation_codes(resolve_grouped_backend(backend, input.device))
+        # codes only where the GEMMs may read them (the native backend; `backend` is resolved,
+        # grouped_mm); the backward's copies too
+        codes = ctx.codes = activation_codes(backend)
         with autocast_off(input.device.type):
             wgrad_cfg = recipe.grad_weight.input_t if ctx.needs_input_grad[1] else None
             x_lp, x_t = quantize_grouped(
@@ -284,15 +286,14 @@ class _GroupedMM(torch.autograd.Function):
                 recipe.grad_input.grad_output if ctx.needs_input_grad[0] else None,
                 recipe.grad_weight.grad_output_t if ctx.needs_input_grad[1] else None,
                 tokens_dq=True,
-                codes=activation_codes(resolve_grouped_backend(ctx.backend, grad_output.device)),
+                codes=ctx.codes,
             )
             if ctx.needs_input_grad[0]:
                 if ctx.recompute:
                     amax = saved[1] if n == 2 else None
                     weight_t = _dgrad_weight(
-                        saved[0], recipe, ctx.shared, amax, ctx.cache, ctx.stamp,
-                        codes=activation_codes(resolve_grouped_backend(ctx.backend, saved[0].device)),
-                    )  # fmt: skip
+                        saved[0], recipe, ctx.shared, amax, ctx.cache, ctx.stamp, ctx.codes
+                    )
                 else:
                     weight_t = cached_dgrad_weight(ctx.cache, ctx.stamp, recipe, ctx.shared)
                     if weight_t is None:
