@@ -408,6 +408,29 @@ def gemm_rows(k: int, n: int, m: int, e: int, device: torch.device, args) -> lis
         outs[launch] = fn()
         rows[-1]["equal"] = torch.equal(outs[launch], outs["per_tile"])
     gg.TOKENS_FP32_LAUNCH = saved_fp32
+    # the rows GEMMs' tile loop fused with the K loop or not, grad_input (N-major weight)
+    # persistent or one program a tile (kernels/grouped_gemm.py ROWS_FUSED_LOOPS,
+    # ROWS_PERSISTENT_NMAJOR), at the default tiles; `equal`: the default launch's bits
+    switches = ("ROWS_FUSED_LOOPS", "ROWS_PERSISTENT_NMAJOR")
+    saved = {name: getattr(gg, name) for name in switches}
+    gemms = {
+        "output": lambda: gg.grouped_gemm_rows(x, w, offs, amax),
+        "grad_input": lambda: gg.grouped_gemm_rows(go, w.transpose(-2, -1), offs, amax),
+    }
+    base = {gemm: fn() for gemm, fn in gemms.items()}
+    for fused in (False, True):
+        for persistent in (False, True):
+            gg.ROWS_FUSED_LOOPS, gg.ROWS_PERSISTENT_NMAJOR = fused, persistent
+            for gemm, fn in gemms.items():
+                if gemm == "output" and not persistent:
+                    continue  # (the output GEMM's weight is K-major: ROWS_PERSISTENT_KMAJOR)
+                launch = "persistent" if gemm == "output" or persistent else "one program a tile"
+                record(
+                    f"ours {gemm} rows launch, {launch}, loops {'' if fused else 'not '}fused", fn
+                )
+                rows[-1]["equal"] = torch.equal(fn(), base[gemm])
+    for name, value in saved.items():
+        setattr(gg, name, value)
     return rows
 
 

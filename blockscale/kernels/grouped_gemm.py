@@ -75,7 +75,7 @@ TOKENS_CONFIG = (128, 256, 64, 8, 4)
 # of FP32 master weights) stored that way with 3 stages is past Hopper's 227 KiB, so an FP32
 # output stores its tile another way (TOKENS_FP32_LAUNCH below).
 ROWS_PERSISTENT_KMAJOR = True
-ROWS_PERSISTENT_NMAJOR = False
+ROWS_PERSISTENT_NMAJOR = True  # (since its loops fuse, ROWS_FUSED_LOOPS below)
 ROWS_GROUP_M_KMAJOR = 8
 ROWS_GROUP_M_NMAJOR = 16
 TOKENS_PERSISTENT = True
@@ -108,11 +108,24 @@ TOKENS_FP32_LAUNCHES = ("per_tile", "halves", "pointers")
 # each tile's epilogue exposed (CUTLASS at 0.80x of its time). Off: on an H200 (2026-11-29)
 # its first launch at the Qwen3-like down projection had not finished 150 s later, with A
 # through the host-made descriptor, whose 128-row box the split copies (64 rows a consumer)
-# did not match. It now makes A's descriptor in the kernel (A_DEVICE_DESC; a 64-row box in
-# the compiled code), not yet run on a GPU. ROWS_WS_CONFIG is its tile (BM, BN, BK,
+# did not match. With A's descriptor made in the kernel (A_DEVICE_DESC; a 64-row box in the
+# compiled code) it finishes, but wrongly (2026-12-01, H200: NaN and 58-70% of the elements
+# unequal to the same tiles without it, different from run to run, in both halves of every
+# tile: benchmarks/research/ws_rows_check.py). ROWS_WS_CONFIG is its tile (BM, BN, BK,
 # num_warps, num_stages).
 ROWS_WARP_SPECIALIZE = False
 ROWS_WS_CONFIG = (128, 256, 64, 4, 3)
+# The persistent rows launch's tile loop fused with its K loop (Triton's FuseNestedLoops, what
+# `flatten=True` asks for): it fuses only a K loop whose trip count does not depend on the tile,
+# and the tiles past offs[-1] used to skip theirs (a trip count of 0), so `flatten` was
+# silently not applied and each tile's first loads waited for the tile before to finish.
+# Compiled for sm_90 on the CPU: one loop instead of two, the next tile's TMA loads inside the
+# K loop. The tiles past offs[-1] now run the contraction on expert E - 1's weight and store
+# zeros (rare: transformers' MoE has no rows past offs[-1]). Timed on an H200 (2026-12-01,
+# `bench_grouped_mm.py --gemms`, 131072 rows; docs/KERNELS.md, "The rows launch's loops,
+# fused"): the output GEMM 2-6% faster at 128-256 experts, and grad_input, persistent with
+# it, 0-16% faster than one program a tile; so both are on, grad_input persistent.
+ROWS_FUSED_LOOPS = True
 # _tokens_tile's STORE: the output tile in one TMA store, in two halves, or from registers
 STORE_HALVES = tl.constexpr(1)
 STORE_POINTERS = tl.constexpr(2)
@@ -244,9 +257,13 @@ def _rows_tile(
     amax_b_ptr, t, pid_n, M, N, K, E,
     HAS_ALPHA: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr, B_KMAJOR: tl.constexpr,
     B_FORMAT: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FUSED: tl.constexpr = False,
 ):  # fmt: skip
-    """Output tile (row tile t of the group layout, column tile pid_n)."""
+    """Output tile (row tile t of the group layout, column tile pid_n). FUSED: every tile runs
+    the whole contraction, so the K loop's trip count does not depend on the tile and Triton can
+    fuse it with the persistent tile loop (the next tile's loads issued during this tile's
+    last steps and epilogue); the tiles past offs[-1] read expert E - 1's weight and store
+    zeros."""
     g = _find_group(tile_ends_ptr, t, E, SEARCH_STEPS)
     first_tile = tl.load(tile_ends_ptr + g - 1, mask=g > 0, other=0)
     start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
@@ -255,17 +272,24 @@ def _rows_tile(
     n0 = pid_n * BN
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     # the group past offs[-1] (g == E) only stores zeros
-    k_tiles = tl.where(g < E, tl.cdiv(K, BK), 0)
+    if FUSED:
+        k_tiles = tl.cdiv(K, BK)
+        g_read = tl.minimum(g, E - 1)
+    else:
+        k_tiles = tl.where(g < E, tl.cdiv(K, BK), 0)
+        g_read = g
     if INTERPRET:
         ki = 0
         while ki < k_tiles:
-            acc = _rows_k_step(a_desc, b_desc, bq_ptr, bs_ptr, b_strides, r0, n0, g, ki, N, K, acc,
-                               B_KMAJOR, B_FORMAT, DOT_F32, ASM, BN, BK)  # fmt: skip
+            acc = _rows_k_step(a_desc, b_desc, bq_ptr, bs_ptr, b_strides, r0, n0, g_read, ki, N, K,
+                               acc, B_KMAJOR, B_FORMAT, DOT_F32, ASM, BN, BK)  # fmt: skip
             ki += 1
     else:
         for ki in range(k_tiles):
-            acc = _rows_k_step(a_desc, b_desc, bq_ptr, bs_ptr, b_strides, r0, n0, g, ki, N, K, acc,
-                               B_KMAJOR, B_FORMAT, DOT_F32, ASM, BN, BK)  # fmt: skip
+            acc = _rows_k_step(a_desc, b_desc, bq_ptr, bs_ptr, b_strides, r0, n0, g_read, ki, N, K,
+                               acc, B_KMAJOR, B_FORMAT, DOT_F32, ASM, BN, BK)  # fmt: skip
+    if FUSED:
+        acc = tl.where(g < E, acc, 0.0)
     alpha = _alpha(amax_a_ptr, amax_b_ptr, g, E, HAS_ALPHA)
     acc = _mul_rn(acc, tl.broadcast_to(alpha, [BM, BN]), ASM)
     rows = r0 + tl.arange(0, BM)
@@ -288,6 +312,7 @@ def _rows_kernel(
     PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
     GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
     A_DEVICE_DESC: tl.constexpr = False, a_ptr=None, stride_am=None,
+    FUSED: tl.constexpr = False,
 ):  # fmt: skip
     if A_DEVICE_DESC:
         # a descriptor made here, whose box the compiler may shape: warp-specialized, each
@@ -309,7 +334,7 @@ def _rows_kernel(
                 _rows_tile(a_desc, b_desc, bq_ptr, bs_ptr, b_strides, out_ptr, stride_om, offs_ptr,
                            tile_ends_ptr, amax_a_ptr, amax_b_ptr, t, pid_n, M, N, K, E,
                            HAS_ALPHA, OUT_BF16, ASM, B_KMAJOR, B_FORMAT, DOT_F32, INTERPRET,
-                           SEARCH_STEPS, BM, BN, BK)  # fmt: skip
+                           SEARCH_STEPS, BM, BN, BK, FUSED)  # fmt: skip
                 tile_id += PROGRAMS
         else:
             for tile_id in tl.range(tl.program_id(0), num_tiles, PROGRAMS, flatten=FLATTEN,
@@ -318,7 +343,7 @@ def _rows_kernel(
                 _rows_tile(a_desc, b_desc, bq_ptr, bs_ptr, b_strides, out_ptr, stride_om, offs_ptr,
                            tile_ends_ptr, amax_a_ptr, amax_b_ptr, t, pid_n, M, N, K, E,
                            HAS_ALPHA, OUT_BF16, ASM, B_KMAJOR, B_FORMAT, DOT_F32, INTERPRET,
-                           SEARCH_STEPS, BM, BN, BK)  # fmt: skip
+                           SEARCH_STEPS, BM, BN, BK, FUSED)  # fmt: skip
     else:
         # one program per tile of an upper bound on the tile count
         pid = tl.program_id(0)
@@ -327,7 +352,7 @@ def _rows_kernel(
             _rows_tile(a_desc, b_desc, bq_ptr, bs_ptr, b_strides, out_ptr, stride_om, offs_ptr,
                        tile_ends_ptr, amax_a_ptr, amax_b_ptr, t, pid_n, M, N, K, E,
                        HAS_ALPHA, OUT_BF16, ASM, B_KMAJOR, B_FORMAT, DOT_F32, INTERPRET,
-                       SEARCH_STEPS, BM, BN, BK)  # fmt: skip
+                       SEARCH_STEPS, BM, BN, BK, FUSED)  # fmt: skip
 
 
 @triton.jit
@@ -482,7 +507,7 @@ def _launch_rows(a, b_desc, bq, bs, offs, amax_a, amax_b, out, E: int, N: int, b
         FLATTEN=persistent and not ws, WARP_SPECIALIZE=ws,
         GROUP_M=ROWS_GROUP_M_KMAJOR if b_kmajor else ROWS_GROUP_M_NMAJOR,
         A_DEVICE_DESC=ws, a_ptr=a if ws else None, stride_am=a.stride(0) if ws else None,
-        num_warps=warps, num_stages=stages,
+        FUSED=persistent and not ws and ROWS_FUSED_LOOPS, num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
 

@@ -1,0 +1,55 @@
+"""benchmarks/research/grouped_gemm_loops_cpu.py: the persistent rows GEMM launches compiled for
+sm_90 on the CPU have their tile loop and K loop fused into one (every wgmma inside exactly
+one loop), with no spills. Triton leaves the loops nested without a word when the K loop's
+trip count depends on the tile, as it did until 2026-12-01 (docs/KERNELS.md, "The rows
+launch's loops, fused"); only the compiled code shows it, so this test does.
+
+The script runs in a child process without TRITON_INTERPRET (it compiles the jit kernels).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = (
+    Path(__file__).resolve().parents[1] / "benchmarks" / "research" / "grouped_gemm_loops_cpu.py"
+)
+
+
+def compiled_rows(out: Path, code: str = "") -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, str(SCRIPT), "--json", str(out)]
+    if code:  # run the script with a module switch changed first
+        command = [sys.executable, "-c", f"{code}; import runpy, sys; sys.argv = {command[1:]!r}; "
+                   f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')"]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())["rows"]
+
+
+def test_persistent_rows_launches_fuse_their_tile_and_k_loops(tmp_path):
+    rows = compiled_rows(tmp_path / "loops.json")
+    assert {r["launch"].split()[0] for r in rows} == {"output", "grad_input"}
+    for r in rows:
+        assert r["PERSISTENT"] and r["FLATTEN"] and r["FUSED"], r
+        assert r["wgmma_loop_depths"] and set(r["wgmma_loop_depths"]) == {1}, r
+        assert r["spill_bytes"] == 0, r
+
+
+def test_the_check_sees_loops_left_nested(tmp_path):
+    """With ROWS_FUSED_LOOPS off (the K loop's trip count 0 for the tiles past offs[-1], as
+    before), `flatten=True` is still asked for and the wgmma sits in two loops: what the first
+    test would catch."""
+    code = "import os; os.environ['TRITON_INTERPRET'] = '0'; " + (
+        "from blockscale.kernels import grouped_gemm as gg; gg.ROWS_FUSED_LOOPS = False"
+    )
+    rows = compiled_rows(tmp_path / "nested.json", code)
+    for r in rows:
+        assert r["FLATTEN"] and not r["FUSED"], r
+        assert set(r["wgmma_loop_depths"]) == {2}, r
