@@ -53,9 +53,12 @@
 #                                      off): its GPU test, then bench_grouped_mm --gemms at
 #                                      the Qwen3-like and DeepSeek-V3-like expert shapes
 #                                      (131072 rows) against CUTLASS and our default tiles,
-#                                      CONFIGS (--gemm-configs) overriding. The WS launch hung
-#                                      on an H200 (2026-11-29): expect each bench step to run
-#                                      to STEP_TIMEOUT until that is fixed
+#                                      CONFIGS (--gemm-configs) overriding; first
+#                                      benchmarks/research/ws_rows_check.py, where its bits
+#                                      differ. The WS launch hung on an H200 (2026-11-29), and
+#                                      with the device-made A descriptor gave wrong results
+#                                      (2026-12-01): its timings mean nothing until that check
+#                                      says 'same bits' or 'order only'
 #   scripts/gpu_check.sh dist OUT      two GPUs: the gpu-marked distributed tests (NCCL), then
 #                                      bench_distributed.py suite --parts "${PARTS:-exact,ep}"
 #                                      (HF_MODELS=llama-1b,..., HF_RANKS [0,2: one GPU
@@ -69,7 +72,7 @@ set -uo pipefail
 PYTHON=${PYTHON:-python3}
 part=${1:-}
 out=${2:-}
-[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,66p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ -n "$part" ] && [ -n "$out" ] || { sed -n '2,69p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -154,6 +157,7 @@ dqonly)
         --json "$out/moe_kernels_dq_only.json"
     step "$PYTHON" benchmarks/bench_quantize.py --json "$out/bench_quantize_dq_only.json" ;;
 rowsws)
+    step "$PYTHON" benchmarks/research/ws_rows_check.py --json "$out/ws_rows_check.json"
     step "$PYTHON" -m pytest -q -rf -m gpu -p no:cacheprovider tests/test_grouped_mm.py \
         -k warp_specialized
     cfgs=${CONFIGS:-"128,256,64,8,3;128,256,64,4,3,1;128,128,64,4,4,1;128,256,64,4,4,1;128,256,128,4,2,1"}
