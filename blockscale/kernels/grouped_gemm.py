@@ -71,10 +71,11 @@ TOKENS_CONFIG = (128, 256, 64, 8, 4)
 # ROWS_FUSED_LOOPS below) with bands of 8 (Llama-4-like 9281 -> 7910 us, CUTLASS 8793);
 # grad_input (the N-major transposed 16x16 weight) ran one program a tile with bands of 16
 # (DeepSeek-V3-like 3146 -> 2855 us) until its loops fused (2026-12-01), and persistent since
-# then (0-16% faster than one program a tile at 128-256 experts). 4 stages do not fit the persistent grad_weight kernel's shared memory; it runs 3. Only
-# BF16 outputs run persistent with one TMA store of the tile: an FP32 output tile (grad_weight
-# of FP32 master weights) stored that way with 3 stages is past Hopper's 227 KiB, so an FP32
-# output stores its tile another way (TOKENS_FP32_LAUNCH below).
+# then (0-16% faster than one program a tile at 128-256 experts). 4 stages do not fit the
+# persistent grad_weight kernel's shared memory; it runs 3. Only BF16 outputs run persistent
+# with one TMA store of the tile: an FP32 output tile (grad_weight of FP32 master weights)
+# stored that way with 3 stages is past Hopper's 227 KiB, so an FP32 output stores its tile
+# another way (TOKENS_FP32_LAUNCH below).
 ROWS_PERSISTENT_KMAJOR = True
 ROWS_PERSISTENT_NMAJOR = True  # (since its loops fuse, ROWS_FUSED_LOOPS below)
 ROWS_GROUP_M_KMAJOR = 8
