@@ -48,9 +48,8 @@ cross-entropy, backward, clipping at 1.0, fused AdamW. "compile" is plain
   experts' FP32-output grad_weight GEMMs run: per_tile, halves, pointers);
   --activation-codes writes every activation copy with its codes, as before 2026-11-29 (the
   emulated GEMMs read only the `_dq`; docs/KERNELS.md, "Activation copies without their codes");
-  --rows-warp-specialize runs the experts' output and grad_input GEMMs warp-specialized
-  (kernels/grouped_gemm.py ROWS_WARP_SPECIALIZE); --grouped-gemm-switch NAME=0|1 sets any
-  other of that module's switches (ROWS_FUSED_LOOPS, ROWS_PERSISTENT_NMAJOR, ...).
+  --grouped-gemm-switch NAME=0|1 sets one of kernels/grouped_gemm.py's switches
+  (ROWS_FUSED_LOOPS, ROWS_PERSISTENT_NMAJOR, ROWS_WARP_SPECIALIZE, ...).
 
 Sized for one model per 10-minute device call (both modes, bf16 / nvfp4 / mxfp8 and six memory
 processes; the whole never timed in one call; in parts on an H200, 2026-11-29: a model's
@@ -244,8 +243,6 @@ def peak_alone(name: str, mode: str, recipe: str, args) -> dict[str, Any]:
             command += ["--fp32-grad-weight-launch", args.fp32_grad_weight_launch]
         if args.activation_codes:
             command.append("--activation-codes")
-        if args.rows_warp_specialize:
-            command.append("--rows-warp-specialize")
         for switch in args.grouped_gemm_switch:
             command += ["--grouped-gemm-switch", switch]
         if args.device:
@@ -312,12 +309,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--activation-codes", action="store_true",
                         help="activation copies that feed only emulated GEMMs written with their "
                              "codes too (bench_model.set_activation_codes)")  # fmt: skip
-    parser.add_argument("--rows-warp-specialize", action="store_true",
-                        help="the experts' rows GEMMs warp-specialized "
-                             "(kernels/grouped_gemm.py ROWS_WARP_SPECIALIZE)")  # fmt: skip
     parser.add_argument("--grouped-gemm-switch", action="append", default=[], metavar="NAME=0|1",
                         help="set a switch of kernels/grouped_gemm.py (ROWS_FUSED_LOOPS, "
-                             "ROWS_PERSISTENT_NMAJOR, ...); repeatable")  # fmt: skip
+                             "ROWS_PERSISTENT_NMAJOR, ROWS_WARP_SPECIALIZE, ...); "
+                             "repeatable")  # fmt: skip
     parser.add_argument("--device", default=None)
     parser.add_argument("--smoke", action="store_true",
                         help="CPU smoke test: the tiny models (unless --models), batch 2, "
@@ -338,17 +333,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
+    if args.fp32_grad_weight_launch or args.grouped_gemm_switch:
+        from blockscale.kernels import grouped_gemm  # noqa: PLC0415 (needs Triton)
     if args.fp32_grad_weight_launch:
-        from blockscale.kernels import grouped_gemm  # noqa: PLC0415 (needs Triton)
-
         grouped_gemm.TOKENS_FP32_LAUNCH = args.fp32_grad_weight_launch
-    if args.rows_warp_specialize:
-        from blockscale.kernels import grouped_gemm  # noqa: PLC0415 (needs Triton)
-
-        grouped_gemm.ROWS_WARP_SPECIALIZE = True
     for switch in args.grouped_gemm_switch:
-        from blockscale.kernels import grouped_gemm  # noqa: PLC0415 (needs Triton)
-
         name, _, value = switch.partition("=")
         if not isinstance(getattr(grouped_gemm, name, None), bool) or value not in ("0", "1"):
             raise SystemExit(f"--grouped-gemm-switch {switch!r}: not a switch NAME=0|1")

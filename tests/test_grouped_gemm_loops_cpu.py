@@ -22,12 +22,9 @@ SCRIPT = (
 )
 
 
-def compiled_rows(out: Path, code: str = "") -> list[dict]:
+def compiled_rows(out: Path, *args: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    command = [sys.executable, str(SCRIPT), "--json", str(out)]
-    if code:  # run the script with a module switch changed first
-        command = [sys.executable, "-c", f"{code}; import runpy, sys; sys.argv = {command[1:]!r}; "
-                   f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')"]  # fmt: skip
+    command = [sys.executable, str(SCRIPT), "--json", str(out), *args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())["rows"]
@@ -46,10 +43,7 @@ def test_the_check_sees_loops_left_nested(tmp_path):
     """With ROWS_FUSED_LOOPS off (the K loop's trip count 0 for the tiles past offs[-1], as
     before), `flatten=True` is still asked for and the wgmma sits in two loops: what the first
     test would catch."""
-    code = "import os; os.environ['TRITON_INTERPRET'] = '0'; " + (
-        "from blockscale.kernels import grouped_gemm as gg; gg.ROWS_FUSED_LOOPS = False"
-    )
-    rows = compiled_rows(tmp_path / "nested.json", code)
+    rows = compiled_rows(tmp_path / "nested.json", "--unfused")
     for r in rows:
         assert r["FLATTEN"] and not r["FUSED"], r
         assert set(r["wgmma_loop_depths"]) == {2}, r

@@ -11,7 +11,7 @@ BF16 outputs, the default tiles) with the specialization Triton's launcher gives
 reports per launch how many loops enclose each wgmma in the TTGIR (1: fused; 2: a tile loop
 around a K loop), registers, spills and shared memory.
 
-    python benchmarks/research/grouped_gemm_loops_cpu.py [--json out.json]   # (no TRITON_INTERPRET)
+    python benchmarks/research/grouped_gemm_loops_cpu.py [--unfused] [--json out.json]   # (no TRITON_INTERPRET)
 
 tests/test_grouped_gemm_loops_cpu.py runs it.
 """
@@ -95,7 +95,11 @@ def compile_launch(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--unfused", action="store_true",
+                        help="with ROWS_FUSED_LOOPS off (0 K steps past offs[-1])")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.unfused:
+        gg.ROWS_FUSED_LOOPS = False
     recorded: list[tuple] = []
     gg.direct = lambda kernel, grid, *a, **k: recorded.append((kernel, a, k))  # record, not run
     gg.interpreting = lambda: False

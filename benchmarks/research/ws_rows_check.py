@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from blockscale.formats.nvfp4 import decode_scale  # noqa: E402
 from blockscale.kernels import grouped_gemm as gg  # noqa: E402
 
 
@@ -46,8 +47,6 @@ def operands(sizes: torch.Tensor, tail: int, k: int, n: int, n_major: bool, seed
 
 def reference(a, b, offs, amax) -> torch.Tensor:
     """FP64 product of each group times its alpha (what both launches round)."""
-    from blockscale.formats.nvfp4 import decode_scale
-
     out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device)
     start = 0
     alpha = decode_scale(amax[0]).double() * decode_scale(amax[1]).double()
