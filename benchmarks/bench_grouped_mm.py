@@ -347,6 +347,11 @@ def gemm_rows(k: int, n: int, m: int, e: int, device: torch.device, args) -> lis
                 got, xt, layout.seg_ends, amax, torch.bfloat16
             )
             names.append(f"ours grad_weight {c}")
+            # the FP32 output of FP32 master weights (TOKENS_FP32_LAUNCH's launch, these tiles)
+            cases[f"ours grad_weight fp32-out {c}"] = lambda: gg.grouped_gemm_tokens(
+                got, xt, layout.seg_ends, amax, torch.float32
+            )
+            names.append(f"ours grad_weight fp32-out {c}")
         for name in names:
             fn = cases.pop(name)
             cases[name] = (cfg, fn)
