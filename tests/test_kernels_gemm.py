@@ -87,17 +87,19 @@ def test_fused_gemm_default_config_and_one_tile_shapes():
         same_bits(gemm.gemm_fused(a, b), reference(a, b, None, None, torch.bfloat16))
 
 
-def test_config_for_picks_warp_specialized_tiles_for_long_contractions_and_narrow_gemms():
+def test_config_for_picks_warp_specialized_tiles_for_long_contractions():
     assert gemm.config_for(16384, 4096, 4096) == gemm.DEFAULT_CONFIG
     assert gemm.config_for(16384, 4096, 14336) == gemm.LONG_K_CONFIG
     assert gemm.config_for(4096, 4096, 16384) == gemm.DEFAULT_CONFIG  # grad_weight
     assert gemm.config_for(4096, 4096, 16384, torch.float32) == gemm.FP32_OUT_CONFIG
-    # FP32 grad_input of the key / value projections (contraction 512): eight warps
-    assert gemm.config_for(16384, 2048, 512, torch.float32) == gemm.FP32_OUT_NARROW_CONFIG
+    # FP32 grad_input of the key / value projections (contraction 512): the same FP32 tiles
+    assert gemm.config_for(16384, 2048, 512, torch.float32) == gemm.FP32_OUT_CONFIG
     assert gemm.config_for(16384, 2048, 2048, torch.float32) == gemm.FP32_OUT_CONFIG
-    # the key / value projections of a Llama with 8 KV heads of 64: N or K of 512
-    assert gemm.config_for(16384, 512, 2048) == gemm.NARROW_CONFIG
-    assert gemm.config_for(16384, 2048, 512) == gemm.NARROW_CONFIG
+    # the key / value projections of a Llama with 8 KV heads of 64 (N or K of 512): the
+    # default tiles, by the layout of b
+    assert gemm.config_for(16384, 512, 2048) == gemm.DEFAULT_CONFIG
+    assert gemm.config_for(16384, 2048, 512) == gemm.DEFAULT_CONFIG
+    assert gemm.config_for(16384, 2048, 512, b_kmajor=False) == gemm.NMAJOR_CONFIG
     assert gemm.config_for(512, 2048, 16384) == gemm.DEFAULT_CONFIG
     assert gemm.config_for(16384, 1024, 4096) == gemm.DEFAULT_CONFIG
     # an N-major b (grad_input's transposed weight): bands of 16 row tiles, BF16 outputs only

@@ -44,8 +44,8 @@ DEFAULT_CONFIG = (128, 256, 64, 8, 8, 3, 1, 0)
 # outputs keep 8 (mixed or worse with 16).
 NMAJOR_CONFIG = (128, 256, 64, 16, 8, 3, 1, 0)
 # "Warp-specialized": at 8 warps Triton 3.6 compiles warp_specialize=True for sm_90 to the same
-# code as without it (docs/KERNELS.md, "Warp specialization on Hopper"), so what these two
-# configs change is the unflattened tile loop and, for NARROW_CONFIG, the 128x128 tile.
+# code as without it (docs/KERNELS.md, "Warp specialization on Hopper"), so what this config
+# changes is the unflattened tile loop.
 # Faster where the contraction is long and there are many output tiles (measured on an H100: 16384 x 14336 -> 4096 output and
 # grad_input GEMMs, 2624 / 2632 us against 2691 / 2876 us with DEFAULT_CONFIG), slower on the
 # step's grad_weight GEMMs (long contraction, fewer tiles).
@@ -54,17 +54,20 @@ LONG_K_CONFIG = (128, 256, 64, 8, 8, 3, 0, 1)
 # need 272 KiB, past Hopper's 227 KiB per block. The fused kernel writes FP32 outputs whose
 # contraction is short (gemm/dispatch.py, FUSED_FP32_MAX_K: grad_input of an FP32 input); four
 # warps were the fastest of six configs at contractions of 1024-4096 on an H100 (16384 x 2048
-# <- 2048: 223 against 243 us with eight; 8192 x 4096 <- 4096: 426 against 452 us) and tied
-# with eight at 512 (98 / 99 us), where an H200 ran four warps 64% slower (162 against 99 us;
-# 2026-11-26, bench_gemm.py --fp32-grad-input, docs/KERNELS.md): eight there.
+# <- 2048: 223 against 243 us with eight; 8192 x 4096 <- 4096: 426 against 452 us). At a
+# contraction of 512 eight warps had been chosen from timings that held the host's launch time
+# (an H200 had four warps at 162 against 99 us); on the device alone four are faster there too
+# (one H200, 2026-12-02, `bench_gemm.py --device-time --fp32-grad-input`: 16384 x 2048 <- 512
+# 84.5 against 89.1 us; <- 2048 215 against 236), so every FP32 output takes these tiles.
 FP32_OUT_CONFIG = (128, 128, 64, 8, 4, 4, 1, 0)
-FP32_OUT_NARROW_CONFIG = (128, 128, 64, 8, 8, 4, 1, 0)
-# Where the output has at most 512 columns or the contraction is at most 512 long (the key and
-# value projections of a Llama with 8 KV heads of 64: N = 512 forward, K = 512 in grad_input),
-# smaller warp-specialized tiles: 16384 x 2048 -> 512 took 100-149 us against 126-197 us with
-# DEFAULT_CONFIG on two H100s, and 16384 x 512 -> 2048 102-116 against 102-155
-# (2026-11-25 late, bench_gemm.py).
-NARROW_CONFIG = (128, 128, 64, 8, 8, 4, 0, 1)
+# Narrow GEMMs (the key and value projections of a Llama with 8 KV heads of 64: N = 512
+# forward, K = 512 in grad_input) take the default tiles. They had their own, 128 x 128 with
+# the tile loop unflattened, chosen on 2026-11-25 from timings that held the host's launch
+# time (bench_gemm.py timed each call between two events, and a 50 us GEMM waits for the
+# launcher). Timed on the device alone (one H200, 2026-12-02, `bench_gemm.py --device-time`,
+# docs/KERNELS.md "Narrow GEMMs"): 16384 x 2048 -> 512 took 53.4 us with DEFAULT_CONFIG
+# against 62.2 with those tiles (cuBLAS BF16 48.0), and 16384 x 512 -> 2048 with the N-major
+# weight 71.9 us with NMAJOR_CONFIG against 87.9 (cuBLAS 56.1).
 SHARED_MEMORY_BYTES = 227 * 1024  # per thread block on H100 (and B200)
 # BF16 `_dq` operands on the GPU; FP32 ones (exact products in IEEE FP32) are what the CPU
 # path builds, and what the interpreter runs in the tests.
@@ -156,9 +159,7 @@ def config_for(
     """The tile config for out [m, n] contracting k, b K-major or not (measured choices, see
     the constants)."""
     if out_dtype == torch.float32:
-        return FP32_OUT_NARROW_CONFIG if k <= 512 else FP32_OUT_CONFIG
-    if min(n, k) <= 512:
-        return NARROW_CONFIG
+        return FP32_OUT_CONFIG
     if k >= 8192 and m >= 16384:
         return LONG_K_CONFIG
     return DEFAULT_CONFIG if b_kmajor else NMAJOR_CONFIG
