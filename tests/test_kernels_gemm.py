@@ -100,7 +100,11 @@ def test_config_for_picks_warp_specialized_tiles_for_long_contractions():
     assert gemm.config_for(16384, 512, 2048) == gemm.DEFAULT_CONFIG
     assert gemm.config_for(16384, 2048, 512) == gemm.DEFAULT_CONFIG
     assert gemm.config_for(16384, 2048, 512, b_kmajor=False) == gemm.NMAJOR_CONFIG
-    assert gemm.config_for(512, 2048, 16384) == gemm.DEFAULT_CONFIG
+    # few output tiles (a BF16 grad_weight of 512 rows: 32 default tiles): 128 x 128 tiles;
+    # with 128 default tiles, the default
+    assert gemm.config_for(512, 2048, 16384) == gemm.FEW_TILES_CONFIG
+    assert gemm.config_for(512, 2048, 16384, b_kmajor=False) == gemm.FEW_TILES_CONFIG
+    assert gemm.config_for(2048, 2048, 16384) == gemm.DEFAULT_CONFIG
     assert gemm.config_for(16384, 1024, 4096) == gemm.DEFAULT_CONFIG
     # an N-major b (grad_input's transposed weight): bands of 16 row tiles, BF16 outputs only
     assert gemm.config_for(8192, 14336, 4096, b_kmajor=False) == gemm.NMAJOR_CONFIG
@@ -112,7 +116,7 @@ def test_config_for_picks_warp_specialized_tiles_for_long_contractions():
 def test_chosen_configs_fit_in_shared_memory(out_dtype):
     # (an FP32 output tile of DEFAULT_CONFIG's size did not fit: OutOfResources on an H100)
     for mnk in [(16384, 4096, 4096), (16384, 4096, 14336), (4096, 4096, 16384), (16384, 2048, 512),
-                (64, 64, 64)]:  # fmt: skip
+                (512, 2048, 16384), (64, 64, 64)]:  # fmt: skip
         config = gemm.config_for(*mnk, out_dtype)
         assert gemm.shared_memory_bytes(config, out_dtype) <= gemm.SHARED_MEMORY_BYTES
     assert gemm.shared_memory_bytes(gemm.DEFAULT_CONFIG, torch.float32) > gemm.SHARED_MEMORY_BYTES
@@ -154,6 +158,7 @@ def test_fused_gemm_rejects_what_it_cannot_read():
         (16384, 4096, 4096, "k-major"),  # output
         (16384, 4096, 4096, "n-major"),  # grad_input (transposed 16x16 weight)
         (4096, 16384, 4096, "k-major"),  # grad_weight
+        (512, 16384, 2048, "k-major"),  # a BF16 grad_weight of few tiles (FEW_TILES_CONFIG)
         (16384, 14336, 4096, "n-major"),  # the warp-specialized config
         (8192, 5120, 11328, "k-major"),
     ],

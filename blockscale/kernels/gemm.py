@@ -68,6 +68,14 @@ FP32_OUT_CONFIG = (128, 128, 64, 8, 4, 4, 1, 0)
 # docs/KERNELS.md "Narrow GEMMs"): 16384 x 2048 -> 512 took 53.4 us with DEFAULT_CONFIG
 # against 62.2 with those tiles (cuBLAS BF16 48.0), and 16384 x 512 -> 2048 with the N-major
 # weight 71.9 us with NMAJOR_CONFIG against 87.9 (cuBLAS 56.1).
+# Where the default tiles would make fewer than FEW_TILES output tiles (a grad_weight of a BF16
+# weight with few rows: the 1B key and value projections' 512 x 2048, 32 tiles of 128 x 256 on
+# an H200's 132 SMs), 128 x 128 tiles with four warps: on the device alone (one H200,
+# 2026-12-02, `bench_gemm.py --device-time`) 512 x 16384 -> 2048 took 89.2 us against 154.3
+# with DEFAULT_CONFIG, while at 2048 x 16384 -> 2048 (128 default tiles) the default was faster
+# (173 against 191 us). FP32 outputs (FP32 master weights) take FP32_OUT_CONFIG anyway.
+FEW_TILES = 64
+FEW_TILES_CONFIG = (128, 128, 64, 8, 4, 4, 1, 0)
 SHARED_MEMORY_BYTES = 227 * 1024  # per thread block on H100 (and B200)
 # BF16 `_dq` operands on the GPU; FP32 ones (exact products in IEEE FP32) are what the CPU
 # path builds, and what the interpreter runs in the tests.
@@ -160,6 +168,8 @@ def config_for(
     the constants)."""
     if out_dtype == torch.float32:
         return FP32_OUT_CONFIG
+    if cdiv(m, DEFAULT_CONFIG[0]) * cdiv(n, DEFAULT_CONFIG[1]) < FEW_TILES:
+        return FEW_TILES_CONFIG
     if k >= 8192 and m >= 16384:
         return LONG_K_CONFIG
     return DEFAULT_CONFIG if b_kmajor else NMAJOR_CONFIG
