@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     got = fn().float()
                     if args.device_time:
-                        _, span = harness.time_host_and_device(fn, warmup, reps, device)
-                        t = (span or _).median_ms
+                        host, span = harness.time_host_and_device(fn, warmup, reps, device)
+                        t = (span or host).median_ms  # (span: None off CUDA)
                     else:
                         t = harness.time_fn(fn, warmup=warmup, reps=reps, device=device).median_ms
                 except Exception as e:  # a config that does not fit shared memory, or compile

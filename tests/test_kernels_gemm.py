@@ -87,7 +87,7 @@ def test_fused_gemm_default_config_and_one_tile_shapes():
         same_bits(gemm.gemm_fused(a, b), reference(a, b, None, None, torch.bfloat16))
 
 
-def test_config_for_picks_warp_specialized_tiles_for_long_contractions():
+def test_config_for_picks_the_measured_tiles_per_shape():
     assert gemm.config_for(16384, 4096, 4096) == gemm.DEFAULT_CONFIG
     assert gemm.config_for(16384, 4096, 14336) == gemm.LONG_K_CONFIG
     assert gemm.config_for(4096, 4096, 16384) == gemm.DEFAULT_CONFIG  # grad_weight
