@@ -158,7 +158,6 @@ def test_fused_gemm_rejects_what_it_cannot_read():
         (16384, 4096, 4096, "k-major"),  # output
         (16384, 4096, 4096, "n-major"),  # grad_input (transposed 16x16 weight)
         (4096, 16384, 4096, "k-major"),  # grad_weight
-        (512, 16384, 2048, "k-major"),  # a BF16 grad_weight of few tiles (FEW_TILES_CONFIG)
         (16384, 14336, 4096, "n-major"),  # the warp-specialized config
         (8192, 5120, 11328, "k-major"),
     ],
@@ -183,6 +182,31 @@ def test_gpu_fused_gemm_matches_cublas_on_random_data(m, k, n, b_layout, out_dty
         assert (got != want).float().mean().item() < 1e-3
     else:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (TMA, large shapes)")
+def test_gpu_few_tiles_config_gives_the_default_tiles_bits():
+    """A grad_weight of few output tiles (the 1B key / value projections' 512 x 16384 -> 2048)
+    takes FEW_TILES_CONFIG for a BF16 output: its bits must be the default tiles' (both sum
+    the contraction in the same 64-wide steps), and near the FP64 product. Not against cuBLAS,
+    as the test above: cuBLAS splits this contraction, so its FP32 sums differ from any
+    sequential order by more than that test allows (on an H200, 0.7% of the BF16 outputs a
+    BF16 step apart, 2026-12-02), as far from FP64 as ours."""
+    m, k, n = 512, 16384, 2048
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+    b = torch.randn(n, k, generator=g, device="cuda").bfloat16()
+    amax = (torch.tensor(3.0, device="cuda"), torch.tensor(5.0, device="cuda"))
+    assert gemm.config_for(m, n, k, torch.bfloat16, True) == gemm.FEW_TILES_CONFIG
+    got = gemm.gemm_fused(a, b, amax)
+    default = gemm.gemm_fused(a, b, amax, config=gemm.DEFAULT_CONFIG)
+    assert torch.equal(got, default)
+    alpha = 3.0 * 5.0 / (6 * 6 * 448 * 448)
+    exact = (a.double() @ b.double().T) * alpha
+    # FP32 sums of 16384 unit products err by ~2^-24 * k; a tile that lost or doubled one
+    # 64-wide step would be off by ~8 (sqrt(64)) times alpha
+    torch.testing.assert_close(got.double(), exact, rtol=2**-7, atol=2**-10 * k**0.5 * alpha)
 
 
 @pytest.mark.gpu
