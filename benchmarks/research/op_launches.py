@@ -8,9 +8,12 @@ arguments): the forward's input copies apart from the backward's stochastic grad
 copies, the weight copies, the amax passes and the GEMMs, each with its launch count and
 microseconds a launch. The copy bandwidth measured in the same run is printed as the ceiling
 for the memory-bound ones. The model and step are bench_model.py's (FP32 masters under BF16
-autocast, fused AdamW, the default layer policy).
+autocast, fused AdamW, the default layer policy), compiled (plain torch.compile): eagerly
+the ops launch their kernels without going through PyTorch's dispatcher (blockscale/
+_registry.py, `library_op`: a host-time shortcut), so the profiler sees their kernels but no
+op to charge them to (an eager nvfp4 llama-1b step on an H200 showed none, 2026-12-02).
 
-    python benchmarks/research/op_launches.py --model llama-1b --recipe nvfp4 --compile \\
+    python benchmarks/research/op_launches.py --model llama-1b --recipe nvfp4 \\
         --json results/op_launches_llama1b_nvfp4.json
     python benchmarks/research/op_launches.py --quick        # CPU smoke test (no kernels)
 """
@@ -62,7 +65,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = harness.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     parser.add_argument("--model", default="llama-1b", choices=sorted(bench_model.MODELS))
     parser.add_argument("--recipe", default="nvfp4", choices=bench_model.RECIPES)
-    parser.add_argument("--compile", action="store_true", help="plain torch.compile(model)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=2048)
     args = parser.parse_args(argv)
@@ -73,8 +75,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.recipe != "bf16":
         bsnn.convert(model, recipes.get(args.recipe), module_filter_fn=bsnn.layer_policy(model))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    forward = torch.compile(model) if args.compile else model
-    step = bench_model.make_step(model, optimizer, forward, device)
+    step = bench_model.make_step(model, optimizer, torch.compile(model), device)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=gen)
     tokens = tokens.to(device)
@@ -94,17 +95,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     info = harness.banner(device)
     total = sum(r["ms"] for r in rows)
     copy = f"{ceiling / 1e12:.2f} TB/s" if ceiling else "-"
-    print(f"{args.model} {args.recipe} {'compiled' if args.compile else 'eager'}, B={args.batch_size}"
-          f" x {args.seq_len}: blockscale ops' kernels {total:.2f} ms; copy {copy}")  # fmt: skip
+    print(f"{args.model} {args.recipe} compiled, B={args.batch_size} x {args.seq_len}: "
+          f"blockscale ops' kernels {total:.2f} ms; copy {copy}")  # fmt: skip
     if rows:
         columns = ["ms", "count", "us_per_launch", "op", "shapes", "constants", "kernels"]
         harness.print_table(rows, columns)
     else:
-        print("no blockscale ops ran (a bf16 recipe, or only pure-PyTorch paths)")
+        print("no blockscale ops ran (a bf16 recipe)")
     if args.json:
         harness.write_json(args.json, {
             "benchmark": "op_launches", "banner": info, "model": args.model,
-            "recipe": args.recipe, "compile": args.compile, "batch_size": args.batch_size,
+            "recipe": args.recipe, "compile": True, "batch_size": args.batch_size,
             "seq_len": args.seq_len, "copy_bytes_per_s": ceiling, "rows": rows,
         })  # fmt: skip
     return rows
