@@ -157,3 +157,19 @@ def test_both_direction_kernels_stay_within_their_alu_budget(rows):
         r = by_case[case]
         assert r["pipes"]["alu"] < r["instructions"], r
         assert r["alu_warp_instr_per_value"] <= ceiling, (case, r["alu_warp_instr_per_value"])
+
+
+def test_instructions_are_charged_to_the_source_lines_a_program_runs(rows):
+    """`by_line` (`--lines`): each instruction up to the first EXIT charged to its source line
+    (nvdisasm -g), so the counts add up to what a loop-free program runs; the out-of-line code
+    after it (the IEEE divisions' slow paths) is left out. The per-value work of a quantize
+    kernel sits in the package's kernel files: some line there costs at least one instruction
+    a value a thread (the stochastic grad_output kernel: its rounding's add, one a value and
+    copy)."""
+    for r in rows:
+        assert 0 < r["instructions_to_exit"] <= r["instructions"], r["case"]
+        assert sum(r["by_line"].values()) == r["instructions_to_exit"], r["case"]
+        assert all(k == "?" or k.startswith(("blockscale/", "triton/")) for k in r["by_line"]), r
+    both = next(r for r in rows if r["case"] == "nvfp4 dq only: both stochastic + dq (grad_output)")
+    top = max(n for k, n in both["by_line"].items() if k.startswith("blockscale/kernels/nvfp4.py"))
+    assert top >= 2 * both["values_per_thread"], both["by_line"]

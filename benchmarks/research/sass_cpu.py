@@ -154,6 +154,20 @@ def _tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
+def _source_lines(sass: str) -> list[str]:
+    """The source line ("file:line", file relative to the package or Triton) of each
+    instruction of `nvdisasm -g` output, in order ("?" before the first line marker)."""
+    where, out = "?", []
+    for m in re.finditer(r'//## File "([^"]+)", line (\d+)|/\*[0-9a-f]{4,}\*/\s+\S.*?;', sass):
+        if m.group(1):
+            parts = Path(m.group(1)).parts
+            top = next((i for i, p in enumerate(parts) if p in ("blockscale", "triton")), 0)
+            where = f"{'/'.join(parts[top:])}:{m.group(2)}"
+        else:
+            out.append(where)
+    return out
+
+
 def compile_launch(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     """SASS statistics of one recorded launch compiled for sm_90."""
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
@@ -164,12 +178,14 @@ def compile_launch(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        sass = subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True,
+        sass = subprocess.run([_tool("nvdisasm"), "-c", "-g", f.name], capture_output=True,
                               text=True, check=True).stdout  # fmt: skip
         usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name],
                                capture_output=True, text=True, check=True).stdout  # fmt: skip
     lines = [m for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(\S.*?);", sass)]
     ops = [re.sub(r"^@!?U?P\w+\s+", "", m.group(2)).split()[0] for m in lines]
+    source_lines = _source_lines(sass)
+    to_exit = next((i for i, op in enumerate(ops) if op == "EXIT"), len(ops))
     branches_back = 0
     for m, op in zip(lines, ops, strict=True):
         if op.startswith("BRA"):
@@ -200,11 +216,27 @@ def compile_launch(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         "ptx_inexact": dict(Counter(_PTX_INEXACT.findall(compiled.asm["ptx"]))),
         # by opcode without modifiers (IMAD.WIDE.U32 -> IMAD): the mix of pipes a variant uses
         "opcodes": dict(Counter(op.split(".")[0] for op in ops).most_common()),
+        # the instructions up to the first EXIT: what a program of a loop-free kernel runs,
+        # without the out-of-line code placed after it (the IEEE divisions' slow paths)
+        "instructions_to_exit": to_exit,
+        # those instructions by the source line they came from ("file:line", nvdisasm -g),
+        # most first
+        "by_line": dict(Counter(source_lines[:to_exit]).most_common()),
         # instructions a program issues to each bounding pipe (PIPES)
         "pipes": {
             pipe: sum(op.split(".")[0] in names for op in ops) for pipe, names in PIPES.items()
         },
     }
+
+
+def _source_text(where: str) -> str:
+    """The stripped source of a "file:line" of `_source_lines` under the repository, or ""."""
+    file, _, line = where.rpartition(":")
+    path = Path(__file__).resolve().parents[2] / file
+    if not line.isdigit() or not path.is_file():
+        return ""
+    text = path.read_text().splitlines()
+    return text[int(line) - 1].strip()[:90] if int(line) <= len(text) else ""
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -213,6 +245,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--shape", default="16384,8192", help="rows,cols of the BF16 input")
     parser.add_argument("--json", default="")
     parser.add_argument("--ops", type=int, default=0, help="print each launch's N top opcodes")
+    parser.add_argument("--lines", type=int, default=0,
+                        help="print each launch's N source lines with the most instructions")  # fmt: skip
     replaced.add_arg(parser)
     tiles.add_arg(parser)
     args = parser.parse_args(argv)
@@ -264,6 +298,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 f"{row['byte_bound_us']:.0f} us",
                 flush=True,
             )
+            if args.lines:
+                print(f"    {stats['instructions_to_exit']} instructions to the first EXIT")
+                for where, n in list(stats["by_line"].items())[: args.lines]:
+                    print(f"    {n:5d}  {where}  {_source_text(where)}")
             if args.ops:
                 top = list(stats["opcodes"].items())[: args.ops]
                 print("    " + " ".join(f"{op} {n}" for op, n in top), flush=True)
