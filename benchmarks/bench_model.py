@@ -186,6 +186,14 @@ class TimeLimit:
 _TIME_LIMIT_OWN_CODE = (TimeLimit.__enter__.__code__, TimeLimit.__exit__.__code__)
 
 
+def convert_for(model: torch.nn.Module, recipe: str, device: torch.device):
+    """`model` converted to `recipe` in place (the default layer policy; bf16: unchanged),
+    and the optimizer every row trains it with (AdamW, fused on CUDA)."""
+    if recipe != "bf16":
+        bsnn.convert(model, recipes.get(recipe), module_filter_fn=bsnn.layer_policy(model))
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda", foreach=None)
+
+
 def make_step(model, optimizer, forward, device) -> Callable[[torch.Tensor], None]:
     autocast = (
         (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
@@ -378,12 +386,8 @@ def run_case(name: str, spec: ModelSpec, mode: str, recipe: str, args, device) -
     try:
         model, vocab = build(spec, args.layers, args.seq_len, device)
         row["layers"] = args.layers or spec.layers()
-        if recipe != "bf16":
-            bsnn.convert(model, recipes.get(recipe), module_filter_fn=bsnn.layer_policy(model))
+        optimizer = convert_for(model, recipe, device)
         row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=1e-4, fused=device.type == "cuda", foreach=None
-        )
         forward = torch.compile(model, mode=args.compile_mode) if mode == "compile" else model
         step = make_step(model, optimizer, forward, device)
         gen = torch.Generator().manual_seed(1)

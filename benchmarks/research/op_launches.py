@@ -33,9 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, fro
 import bench_model  # noqa: E402
 import harness  # noqa: E402
 
-from blockscale import nn as bsnn  # noqa: E402
-from blockscale import recipes  # noqa: E402
-
 
 def op_rows(events: Any) -> list[dict[str, Any]]:
     """The profiler's `blockscale::` op events grouped by (name, input shapes, constant
@@ -72,9 +69,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         args.model, args.batch_size, args.seq_len = "llama-tiny", 2, 32
     device = harness.pick_device(args.device)
     model, vocab = bench_model.build(bench_model.MODELS[args.model], None, args.seq_len, device)
-    if args.recipe != "bf16":
-        bsnn.convert(model, recipes.get(args.recipe), module_filter_fn=bsnn.layer_policy(model))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    optimizer = bench_model.convert_for(model, args.recipe, device)
     step = bench_model.make_step(model, optimizer, torch.compile(model), device)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=gen)

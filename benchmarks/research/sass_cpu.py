@@ -154,11 +154,17 @@ def _tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
+# One SASS instruction of nvdisasm's output: its address and its text up to the semicolon.
+_INSTRUCTION = r"/\*([0-9a-f]{4,})\*/\s+(\S.*?);"
+# With -g, a line marker before the instructions compiled from that source line.
+_LINE_OR_INSTRUCTION = re.compile(r'//## File "([^"]+)", line (\d+)|' + _INSTRUCTION)
+
+
 def _source_lines(sass: str) -> list[str]:
     """The source line ("file:line", file relative to the package or Triton) of each
     instruction of `nvdisasm -g` output, in order ("?" before the first line marker)."""
     where, out = "?", []
-    for m in re.finditer(r'//## File "([^"]+)", line (\d+)|/\*[0-9a-f]{4,}\*/\s+\S.*?;', sass):
+    for m in _LINE_OR_INSTRUCTION.finditer(sass):
         if m.group(1):
             parts = Path(m.group(1)).parts
             top = next((i for i, p in enumerate(parts) if p in ("blockscale", "triton")), 0)
@@ -182,7 +188,7 @@ def compile_launch(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
                               text=True, check=True).stdout  # fmt: skip
         usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name],
                                capture_output=True, text=True, check=True).stdout  # fmt: skip
-    lines = [m for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(\S.*?);", sass)]
+    lines = [m for m in re.finditer(_INSTRUCTION, sass)]
     ops = [re.sub(r"^@!?U?P\w+\s+", "", m.group(2)).split()[0] for m in lines]
     source_lines = _source_lines(sass)
     to_exit = next((i for i, op in enumerate(ops) if op == "EXIT"), len(ops))
