@@ -47,3 +47,18 @@ def test_the_check_sees_loops_left_nested(tmp_path):
     for r in rows:
         assert r["FLATTEN"] and not r["FUSED"], r
         assert set(r["wgmma_loop_depths"]) == {2}, r
+
+
+def test_dense_gemm_launches_compile_as_measured(tmp_path):
+    """The dense GEMM (`--dense`): the default launch fuses its loops and stores its BF16 tile in
+    halves (180 KiB of shared memory, three stages of 128x256x64 plus half the output tile);
+    the warp-specialized launch is split by Triton into 12 warps (a producer warpgroup and two
+    consumers), which it silently is not with host-made descriptors or a flattened loop
+    (docs/KERNELS.md, "The dense GEMM warp-specialized")."""
+    rows = {r["launch"]: r for r in compiled_rows(tmp_path / "dense.json", "--dense")}
+    default, ws = rows["dense default"], rows["dense warp-specialized"]
+    assert default["HALVES"] and default["HW_BF16"], default
+    assert default["warps"] == 8 and set(default["wgmma_loop_depths"]) == {1}, default
+    assert default["shared_bytes"] < 3 * (128 + 256) * 64 * 2 + 128 * 256 * 2, default
+    assert ws["warps"] == 12, ws
+    assert default["spill_bytes"] == 0 and ws["spill_bytes"] == 0

@@ -72,6 +72,30 @@ def test_fused_gemm_epilogue_is_exact(amax, with_bias, b_layout, out_dtype):
     same_bits(got, reference(a, b, amax_t, bias, out_dtype))
 
 
+WS_SMALL = (*SMALL[:6], 0, gemm.WS_DEVICE_DESCRIPTORS)  # the warp-specialized kernel's tiles
+
+
+@pytest.mark.parametrize("variant", ["whole-tile store", "warp-specialized"])
+@pytest.mark.parametrize("b_layout", ["k-major", "n-major"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_fused_gemm_variants_are_exact(variant, b_layout, out_dtype, monkeypatch):
+    """The same exact epilogue from the other launches of kernels/gemm.py: a BF16 output tile
+    stored whole (EPILOGUE_HALVES off; on, the default, is the test above), and the
+    warp-specialized kernel (a config's last field WS_DEVICE_DESCRIPTORS: descriptors made in
+    the kernel, its own tile walk)."""
+    config = SMALL
+    if variant == "whole-tile store":
+        monkeypatch.setattr(gemm, "EPILOGUE_HALVES", False)
+    else:
+        config = WS_SMALL
+    a, b = operands(40, 96, 72, b_layout, seed=7)
+    g = torch.Generator(device=DEV).manual_seed(4)
+    bias = torch.randn(72, generator=g, device=DEV)
+    amax = (torch.tensor(37.0, device=DEV), torch.tensor(11.0, device=DEV))
+    got = gemm.gemm_fused(a, b, amax, bias, out_dtype=out_dtype, config=config)
+    same_bits(got, reference(a, b, amax, bias, out_dtype))
+
+
 def test_fused_gemm_writes_into_a_row_slice_and_nowhere_else():
     a, b = operands(24, 64, 64, "k-major", seed=5)
     amax = (torch.tensor(2688.0, device=DEV), torch.tensor(1344.0, device=DEV))  # alpha = 0.5
@@ -235,3 +259,52 @@ def test_gpu_cublas_bf16_route_rounds_once(m, k, n, monkeypatch):
     assert not fused_calls
     assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction == reduced
     exact(got, emulated.mm_fp32_accumulate(a, b).bfloat16())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (Hopper warp specialization)")
+@pytest.mark.parametrize("b_layout", ["k-major", "n-major"])
+def test_gpu_warp_specialized_kernel_gives_the_default_tiles_bits(b_layout):
+    """The warp-specialized launch (a producer warpgroup, two consumers each summing half the
+    rows of a tile) sums each output in the default tiles' order: the same bits, on random data
+    with partial tiles in M and N, run twice (a race would show as a difference)."""
+    m, k, n = 4160, 2048, 2304
+    g = torch.Generator(device="cuda").manual_seed(1)
+    a = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+    if b_layout == "k-major":
+        b = torch.randn(n, k, generator=g, device="cuda").bfloat16()
+    else:
+        b = torch.randn(k, n, generator=g, device="cuda").bfloat16().t()
+    amax = (torch.tensor(37.0, device="cuda"), torch.tensor(11.0, device="cuda"))
+    default = (*gemm.DEFAULT_CONFIG[:7], 0)
+    ws = (128, 256, 64, 8, 4, 3, 0, gemm.WS_DEVICE_DESCRIPTORS)
+    want = gemm.gemm_fused(a, b, amax, config=default)
+    for _ in range(2):
+        assert torch.equal(gemm.gemm_fused(a, b, amax, config=ws), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the hardware BF16 conversion)")
+@pytest.mark.parametrize("halves", [False, True], ids=["whole", "halves"])
+def test_gpu_hardware_bf16_rounding_gives_the_integer_roundings_bits(halves, monkeypatch):
+    """epilogue.HW_BF16 (the GPU's conversion in the GEMM epilogues) against the integer
+    rounding: the same bits for every finite output, ties and subnormals among them, and NaN
+    where the integer rounding has NaN (Inf * 0 in a row of a)."""
+    from blockscale.kernels import epilogue  # noqa: PLC0415
+
+    monkeypatch.setattr(gemm, "EPILOGUE_HALVES", halves)
+    m, k, n = 1024, 512, 768
+    g = torch.Generator(device="cuda").manual_seed(2)
+    a = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+    b = torch.randn(n, k, generator=g, device="cuda").bfloat16()
+    a[5, :] = 0
+    a[5, 3] = float("inf")
+    b[:, 3] = 0  # row 5 of the output: Inf * 0 = NaN
+    a[9] *= 2.0**-120  # row 9: subnormal BF16 outputs
+    outs = {}
+    for hw in (False, True):
+        monkeypatch.setattr(epilogue, "HW_BF16", hw)
+        outs[hw] = gemm.gemm_fused(a, b, (torch.tensor(5.0, device="cuda"),) * 2)
+    assert outs[False][5].isnan().all()
+    assert outs[False][9].abs().max() < 2.0**-126
+    same_bits(outs[True], outs[False])

@@ -13,6 +13,10 @@ around a K loop), registers, spills and shared memory.
 
     python benchmarks/research/grouped_gemm_loops_cpu.py [--unfused] [--json out.json]   # (no TRITON_INTERPRET)
 
+`--dense` compiles the dense GEMM's launches instead (kernels/gemm.py): the default one and the
+warp-specialized one, with their warps (12: split into a producer and two consumers) and
+shared memory (the default's BF16 tile stored in halves).
+
 tests/test_grouped_gemm_loops_cpu.py runs it.
 """
 
@@ -86,10 +90,36 @@ def compile_launch(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
 
     return {
         "wgmma_loop_depths": loop_depths(compiled.asm["ttgir"]),
+        "warps": compiled.metadata.num_warps,  # (a warp-specialized split adds its partitions')
         "registers": resource("REG"),
         "spill_bytes": resource("STACK") + resource("LOCAL"),
         "shared_bytes": compiled.metadata.shared,
     }
+
+
+def dense_rows() -> list[dict[str, Any]]:
+    """The dense fused GEMM (kernels/gemm.py) at a 1B output shape: the default launch (its
+    BF16 tile stored in halves) and the warp-specialized one (WS_DEVICE_DESCRIPTORS), compiled
+    as their launches would be; `warps` 12 means Triton split the program into a producer and
+    two consumers."""
+    from blockscale.kernels import gemm  # noqa: PLC0415
+
+    recorded: list[tuple] = []
+    gemm.direct = lambda kernel, grid, *a, **k: recorded.append((kernel, a, k))  # not run
+    gemm.interpreting = lambda: False
+    a = torch.empty(16384, 2048, dtype=torch.bfloat16)
+    b = torch.empty(2048, 2048, dtype=torch.bfloat16)
+    amax = torch.ones(())
+    ws = (128, 256, 64, 8, 4, 3, 0, gemm.WS_DEVICE_DESCRIPTORS)
+    rows = []
+    for name, config in (("default", gemm.DEFAULT_CONFIG), ("warp-specialized", ws)):
+        recorded.clear()
+        gemm.gemm_fused(a, b, (amax, amax), config=config)
+        (kernel, kargs, kwargs), *_ = recorded
+        flags = {k: kwargs.get(k) for k in ("HALVES", "HW_BF16")}
+        row = {"launch": f"dense {name}", "config": list(config), **flags}
+        rows.append({**row, **compile_launch(kernel, kargs, dict(kwargs))})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -97,7 +127,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--unfused", action="store_true",
                         help="with ROWS_FUSED_LOOPS off (0 K steps past offs[-1])")  # fmt: skip
+    parser.add_argument("--dense", action="store_true",
+                        help="the dense GEMM's launches instead (kernels/gemm.py)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.dense:
+        rows = dense_rows()
+        for r in rows:
+            print(json.dumps(r))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"target": "sm_90", "rows": rows}, indent=1))
+        return rows
     if args.unfused:
         gg.ROWS_FUSED_LOOPS = False
     recorded: list[tuple] = []

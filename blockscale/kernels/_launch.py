@@ -233,3 +233,12 @@ def _fast(kernel: Any, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None
         grid[0], grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, None,
         None, None, *values,
     )  # fmt: skip
+
+
+def scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Triton's runtime allocator, for kernels that make tensor descriptors on the device (the
+    warp-specialized GEMMs): their global scratch, 128 bytes a program, from PyTorch's caching
+    allocator on the launch's stream (`triton.set_allocator(scratch)` before such a launch;
+    the allocator is per thread)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.empty(size, dtype=torch.int8, device=device)

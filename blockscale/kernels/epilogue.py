@@ -26,15 +26,21 @@ import triton.language as tl
 from blockscale._registry import library_op
 from blockscale.kernels._common import (
     abs_bits,
-    bf16_bits,
     cdiv,
     interpreting,
     nvfp4_global,
-    round_to_bf16,
+    to_bf16_bits,
 )
 from blockscale.kernels._launch import launch
 
 OUT_DTYPES = (torch.bfloat16, torch.float32)
+# The GEMM epilogues' rounding of FP32 to a BF16 output (this kernel's, kernels/gemm.py's and
+# kernels/grouped_gemm.py's, all read it at launch): on the GPU the hardware conversion
+# (`to_bf16_bits`, one instruction for two values) rather than the integer rounding, about six
+# operations a value; the same bits but a NaN's payload (docs/KERNELS.md, "The GEMM
+# epilogues' BF16 rounding"). The interpreter always takes the integer rounding (its BF16 cast
+# truncates).
+HW_BF16 = True
 
 
 @triton.jit
@@ -59,7 +65,7 @@ def _decode_scale(amax):
 def _epilogue_kernel(
     acc_ptr, amax_a_ptr, amax_b_ptr, bias_ptr, out_ptr, M, N, stride_acc, stride_out,
     HAS_ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, HW_BF16: tl.constexpr = False,
 ):  # fmt: skip
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -73,7 +79,7 @@ def _epilogue_kernel(
         v = v + b[None, :]
     dst = out_ptr + rows[:, None] * stride_out + cols[None, :]
     if OUT_BF16:
-        tl.store(dst, bf16_bits(round_to_bf16(v)), mask=mask)
+        tl.store(dst, to_bf16_bits(v, HW_BF16), mask=mask)
     else:
         tl.store(dst, v, mask=mask)
 
@@ -98,7 +104,7 @@ def _gemm_epilogue(
         bias if bias is not None else acc, dst,
         M, N, acc.stride(0), out.stride(0),
         HAS_ALPHA=amax_a is not None, HAS_BIAS=bias is not None, OUT_BF16=bf16,
-        ASM=not interpreting(), BM=bm, BN=bn, num_warps=4,
+        ASM=not interpreting(), BM=bm, BN=bn, HW_BF16=HW_BF16 and not interpreting(), num_warps=4,
     )  # fmt: skip
 
 

@@ -29,8 +29,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from blockscale._registry import library_op
-from blockscale.kernels._common import bf16_bits, cdiv, interpreting, round_to_bf16
-from blockscale.kernels._launch import direct
+from blockscale.kernels import epilogue
+from blockscale.kernels._common import cdiv, interpreting, to_bf16_bits
+from blockscale.kernels._launch import direct, scratch
 from blockscale.kernels.epilogue import _decode_scale, _mul_rn
 
 # (BM, BN, BK, GROUP_M, num_warps, num_stages, flatten, warp_specialize); `config_for` picks
@@ -76,6 +77,15 @@ FP32_OUT_CONFIG = (128, 128, 64, 8, 4, 4, 1, 0)
 # (173 against 191 us). FP32 outputs (FP32 master weights) take FP32_OUT_CONFIG anyway.
 FEW_TILES = 64
 FEW_TILES_CONFIG = (128, 128, 64, 8, 4, 4, 1, 0)
+# The last field of a config: 0, the tile loop as `flatten` says; 1, Triton's warp_specialize
+# flag on that kernel (at 8 warps the same code as 0, above); WS_DEVICE_DESCRIPTORS, the
+# kernel split for real (`_gemm_ws_kernel`: descriptors made on the device, the tile loop
+# unflattened, 4 warps a consumer).
+WS_DEVICE_DESCRIPTORS = 2
+# A BF16 output tile stored in two halves (`_epilogue_store`): half the shared memory the TMA
+# store stages (docs/KERNELS.md, "The GEMM epilogues' BF16 rounding"). The rounding itself
+# follows epilogue.HW_BF16.
+EPILOGUE_HALVES = True
 SHARED_MEMORY_BYTES = 227 * 1024  # per thread block on H100 (and B200)
 # BF16 `_dq` operands on the GPU; FP32 ones (exact products in IEEE FP32) are what the CPU
 # path builds, and what the interpreter runs in the tests.
@@ -109,7 +119,12 @@ def _mma_tile(a_desc, b_desc, om, on, ki, acc, B_KMAJOR: tl.constexpr, BK: tl.co
 @triton.jit
 def _epilogue_store(acc, out_desc, amax_a_ptr, amax_b_ptr, bias_ptr, om, on, N,
                     HAS_ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
-                    ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+                    ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    HALVES: tl.constexpr = False, HW_BF16: tl.constexpr = False):  # fmt: skip
+    """alpha, bias and the rounding to the output dtype on the accumulator, then the TMA store:
+    the whole tile, or with HALVES (BF16 outputs) its two [BM, BN/2] halves, each through a
+    descriptor of that box, so the store stages half the tile in shared memory (EPILOGUE_HALVES).
+    HW_BF16: the GPU's conversion to BF16 (`to_bf16_bits`; the same bits but a NaN's payload)."""
     if HAS_ALPHA:
         alpha = _decode_scale(tl.load(amax_a_ptr)) * _decode_scale(tl.load(amax_b_ptr))
         acc = _mul_rn(acc, tl.broadcast_to(alpha, [BM, BN]), ASM)
@@ -117,7 +132,12 @@ def _epilogue_store(acc, out_desc, amax_a_ptr, amax_b_ptr, bias_ptr, om, on, N,
         rn = on + tl.arange(0, BN)
         acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
     if OUT_BF16:
-        out_desc.store([om, on], bf16_bits(round_to_bf16(acc)))
+        if HALVES:
+            left, right = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN // 2]), [0, 2, 1]))
+            out_desc.store([om, on], to_bf16_bits(left, HW_BF16))
+            out_desc.store([om, on + BN // 2], to_bf16_bits(right, HW_BF16))
+        else:
+            out_desc.store([om, on], to_bf16_bits(acc, HW_BF16))
     else:
         out_desc.store([om, on], acc)
 
@@ -129,6 +149,7 @@ def _gemm_kernel(
     B_KMAJOR: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    HALVES: tl.constexpr = False, HW_BF16: tl.constexpr = False,
 ):  # fmt: skip
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -146,7 +167,8 @@ def _gemm_kernel(
                                 DOT_F32)  # fmt: skip
                 ki += 1
             _epilogue_store(acc, out_desc, amax_a_ptr, amax_b_ptr, bias_ptr, pid_m * BM,
-                            pid_n * BN, N, HAS_ALPHA, HAS_BIAS, OUT_BF16, ASM, BM, BN)  # fmt: skip
+                            pid_n * BN, N, HAS_ALPHA, HAS_BIAS, OUT_BF16, ASM, BM, BN, HALVES,
+                            HW_BF16)  # fmt: skip
             tile_id += PROGRAMS
     else:
         for tile_id in tl.range(
@@ -158,7 +180,70 @@ def _gemm_kernel(
                 acc = _mma_tile(a_desc, b_desc, pid_m * BM, pid_n * BN, ki, acc, B_KMAJOR, BK,
                                 DOT_F32)  # fmt: skip
             _epilogue_store(acc, out_desc, amax_a_ptr, amax_b_ptr, bias_ptr, pid_m * BM,
-                            pid_n * BN, N, HAS_ALPHA, HAS_BIAS, OUT_BF16, ASM, BM, BN)  # fmt: skip
+                            pid_n * BN, N, HAS_ALPHA, HAS_BIAS, OUT_BF16, ASM, BM, BN, HALVES,
+                            HW_BF16)  # fmt: skip
+
+
+@triton.jit
+def _gemm_ws_kernel(
+    a_ptr, b_ptr, out_ptr, stride_a, stride_b, stride_out, amax_a_ptr, amax_b_ptr, bias_ptr,
+    M, N, K,
+    HAS_ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr,
+    B_KMAJOR: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    PROGRAMS: tl.constexpr, HW_BF16: tl.constexpr = False,
+):  # fmt: skip
+    """`_gemm_kernel` warp-specialized (a config's last field 2): the same tiles, sums and
+    epilogue, with the three TMA descriptors made in the kernel and the tile loop not
+    flattened, the two things Triton 3.6's Hopper warp specialization needs to split the
+    program (a producer warpgroup issuing the TMA loads, two consumer warpgroups each
+    multiplying and storing half the tile's rows; docs/KERNELS.md, "The dense GEMM
+    warp-specialized"). With host descriptors the pass fails on the store, and with the loop
+    flattened it silently leaves the program whole. The epilogue finds its tile from its own
+    counter (`tile_c`), so that it does not hold the loads' tile index across the split."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1],
+                                       block_shape=[BM, BK])  # fmt: skip
+    if B_KMAJOR:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1],
+                                           block_shape=[BN, BK])  # fmt: skip
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1],
+                                           block_shape=[BK, BN])  # fmt: skip
+    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[stride_out, 1],
+                                         block_shape=[BM, BN])  # fmt: skip
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    num_tiles = num_pid_m * num_pid_n
+    tile_c = tl.program_id(0)
+    if INTERPRET:
+        tile_id = tl.program_id(0)
+        while tile_id < num_tiles:
+            pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            ki = 0
+            while ki < k_tiles:
+                acc = _mma_tile(a_desc, b_desc, pid_m * BM, pid_n * BN, ki, acc, B_KMAJOR, BK,
+                                DOT_F32)  # fmt: skip
+                ki += 1
+            pm, pn = _tile(tile_c, num_pid_m, num_pid_n, GROUP_M)
+            _epilogue_store(acc, out_desc, amax_a_ptr, amax_b_ptr, bias_ptr, pm * BM, pn * BN,
+                            N, HAS_ALPHA, HAS_BIAS, OUT_BF16, ASM, BM, BN, False,
+                            HW_BF16)  # fmt: skip
+            tile_c += PROGRAMS
+            tile_id += PROGRAMS
+    else:
+        for tile_id in tl.range(tl.program_id(0), num_tiles, PROGRAMS, warp_specialize=True):
+            pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for ki in range(k_tiles):
+                acc = _mma_tile(a_desc, b_desc, pid_m * BM, pid_n * BN, ki, acc, B_KMAJOR, BK,
+                                DOT_F32)  # fmt: skip
+            pm, pn = _tile(tile_c, num_pid_m, num_pid_n, GROUP_M)
+            _epilogue_store(acc, out_desc, amax_a_ptr, amax_b_ptr, bias_ptr, pm * BM, pn * BN,
+                            N, HAS_ALPHA, HAS_BIAS, OUT_BF16, ASM, BM, BN, False,
+                            HW_BF16)  # fmt: skip
+            tile_c += PROGRAMS
 
 
 def config_for(
@@ -180,7 +265,8 @@ def shared_memory_bytes(config: tuple[int, ...], out_dtype: torch.dtype) -> int:
     output tile the TMA store is staged through (an estimate of Triton's allocation)."""
     bm, bn, bk, _, _, stages = config[:6]
     out_size = torch.empty((), dtype=out_dtype).element_size()
-    return stages * (bm + bn) * bk * 2 + bm * bn * out_size
+    halves = EPILOGUE_HALVES and out_dtype == torch.bfloat16 and config[7] != WS_DEVICE_DESCRIPTORS
+    return stages * (bm + bn) * bk * 2 + bm * bn * out_size // (2 if halves else 1)
 
 
 @functools.cache
@@ -263,13 +349,28 @@ def _launch_gemm(
     b_kmajor = b.stride(1) == 1
     bf16 = out.dtype == torch.bfloat16
     dst = out.view(torch.int16) if bf16 else out
-    a_desc = _descriptor(a, [bm, bk])
-    b_desc = _descriptor(b, [bn, bk]) if b_kmajor else _descriptor(b.t(), [bk, bn])
-    out_desc = _descriptor(dst, [bm, bn])
     tiles = cdiv(M, bm) * cdiv(N, bn)
     programs = _programs(a.device, tiles)
     unused = out
     interpret = interpreting()
+    if ws == WS_DEVICE_DESCRIPTORS:
+        b_t = b if b_kmajor else b.t()
+        triton.set_allocator(scratch)  # (per thread: the backward launches from autograd's)
+        direct(_gemm_ws_kernel, (programs,),
+            a, b_t, dst, a.stride(0), b_t.stride(0), dst.stride(0),
+            amax_a if amax_a is not None else unused, amax_b if amax_b is not None else unused,
+            bias if bias is not None else unused, M, N, K,
+            HAS_ALPHA=amax_a is not None, HAS_BIAS=bias is not None, OUT_BF16=bf16,
+            ASM=not interpret, B_KMAJOR=b_kmajor,
+            DOT_F32=interpret or a.dtype == torch.float32, INTERPRET=interpret,
+            BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PROGRAMS=programs,
+            HW_BF16=epilogue.HW_BF16 and not interpret, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        return
+    a_desc = _descriptor(a, [bm, bk])
+    b_desc = _descriptor(b, [bn, bk]) if b_kmajor else _descriptor(b.t(), [bk, bn])
+    halves = EPILOGUE_HALVES and bf16
+    out_desc = _descriptor(dst, [bm, bn // 2 if halves else bn])
     direct(_gemm_kernel, (programs,),
         a_desc, b_desc, out_desc, amax_a if amax_a is not None else unused,
         amax_b if amax_b is not None else unused, bias if bias is not None else unused,
@@ -278,7 +379,8 @@ def _launch_gemm(
         ASM=not interpret, B_KMAJOR=b_kmajor,
         DOT_F32=interpret or a.dtype == torch.float32, INTERPRET=interpret,
         BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PROGRAMS=programs, FLATTEN=bool(flatten),
-        WARP_SPECIALIZE=bool(ws), num_warps=warps, num_stages=stages,
+        WARP_SPECIALIZE=bool(ws), HALVES=halves, HW_BF16=epilogue.HW_BF16 and not interpret,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
 

@@ -40,16 +40,17 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from blockscale._registry import library_op
+from blockscale.kernels import epilogue
 from blockscale.kernels._common import (
-    bf16_bits,
     cdiv,
     e4m3_byte_value,
     exp2_int,
     interpreting,
     round_to_bf16,
+    to_bf16_bits,
     with_sign,
 )
-from blockscale.kernels._launch import direct
+from blockscale.kernels._launch import direct, scratch
 from blockscale.kernels.epilogue import _decode_scale, _mul_rn
 from blockscale.kernels.gemm import _programs, _tile
 
@@ -260,6 +261,7 @@ def _rows_tile(
     HAS_ALPHA: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr, B_KMAJOR: tl.constexpr,
     B_FORMAT: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FUSED: tl.constexpr = False,
+    HW_BF16: tl.constexpr = False,
 ):  # fmt: skip
     """Output tile (row tile t of the group layout, column tile pid_n). FUSED: every tile runs
     the whole contraction, so the K loop's trip count does not depend on the tile and Triton can
@@ -299,7 +301,7 @@ def _rows_tile(
     mask = (rows < end)[:, None] & (cols < N)[None, :]
     dst = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     if OUT_BF16:
-        tl.store(dst, bf16_bits(round_to_bf16(acc)), mask=mask)
+        tl.store(dst, to_bf16_bits(acc, HW_BF16), mask=mask)
     else:
         tl.store(dst, acc, mask=mask)
 
@@ -314,7 +316,7 @@ def _rows_kernel(
     PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
     GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
     A_DEVICE_DESC: tl.constexpr = False, a_ptr=None, stride_am=None,
-    FUSED: tl.constexpr = False,
+    FUSED: tl.constexpr = False, HW_BF16: tl.constexpr = False,
 ):  # fmt: skip
     if A_DEVICE_DESC:
         # a descriptor made here, whose box the compiler may shape: warp-specialized, each
@@ -336,7 +338,7 @@ def _rows_kernel(
                 _rows_tile(a_desc, b_desc, bq_ptr, bs_ptr, b_strides, out_ptr, stride_om, offs_ptr,
                            tile_ends_ptr, amax_a_ptr, amax_b_ptr, t, pid_n, M, N, K, E,
                            HAS_ALPHA, OUT_BF16, ASM, B_KMAJOR, B_FORMAT, DOT_F32, INTERPRET,
-                           SEARCH_STEPS, BM, BN, BK, FUSED)  # fmt: skip
+                           SEARCH_STEPS, BM, BN, BK, FUSED, HW_BF16)  # fmt: skip
                 tile_id += PROGRAMS
         else:
             for tile_id in tl.range(tl.program_id(0), num_tiles, PROGRAMS, flatten=FLATTEN,
@@ -345,7 +347,7 @@ def _rows_kernel(
                 _rows_tile(a_desc, b_desc, bq_ptr, bs_ptr, b_strides, out_ptr, stride_om, offs_ptr,
                            tile_ends_ptr, amax_a_ptr, amax_b_ptr, t, pid_n, M, N, K, E,
                            HAS_ALPHA, OUT_BF16, ASM, B_KMAJOR, B_FORMAT, DOT_F32, INTERPRET,
-                           SEARCH_STEPS, BM, BN, BK, FUSED)  # fmt: skip
+                           SEARCH_STEPS, BM, BN, BK, FUSED, HW_BF16)  # fmt: skip
     else:
         # one program per tile of an upper bound on the tile count
         pid = tl.program_id(0)
@@ -354,7 +356,7 @@ def _rows_kernel(
             _rows_tile(a_desc, b_desc, bq_ptr, bs_ptr, b_strides, out_ptr, stride_om, offs_ptr,
                        tile_ends_ptr, amax_a_ptr, amax_b_ptr, t, pid_n, M, N, K, E,
                        HAS_ALPHA, OUT_BF16, ASM, B_KMAJOR, B_FORMAT, DOT_F32, INTERPRET,
-                       SEARCH_STEPS, BM, BN, BK, FUSED)  # fmt: skip
+                       SEARCH_STEPS, BM, BN, BK, FUSED, HW_BF16)  # fmt: skip
 
 
 @triton.jit
@@ -363,7 +365,7 @@ def _tokens_tile(
     amax_b_ptr, tile_id, E, num_pid_m, num_pid_n, HAS_ALPHA: tl.constexpr, OUT_BF16: tl.constexpr,
     ASM: tl.constexpr,
     DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, GROUP_M: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, STORE: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, STORE: tl.constexpr, HW_BF16: tl.constexpr = False,
 ):  # fmt: skip
     per_group = num_pid_m * num_pid_n
     g = tile_id // per_group
@@ -384,7 +386,7 @@ def _tokens_tile(
     alpha = _alpha(amax_a_ptr, amax_b_ptr, g, E, HAS_ALPHA)
     acc = _mul_rn(acc, tl.broadcast_to(alpha, [BM, BN]), ASM)
     if OUT_BF16:
-        out_desc.store([g, m0, n0], tl.reshape(bf16_bits(round_to_bf16(acc)), [1, BM, BN]))
+        out_desc.store([g, m0, n0], tl.reshape(to_bf16_bits(acc, HW_BF16), [1, BM, BN]))
     elif STORE == STORE_HALVES:  # two [BM, BN/2] halves: half the epilogue's shared memory
         left, right = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN // 2]), [0, 2, 1]))
         out_desc.store([g, m0, n0], tl.reshape(left, [1, BM, BN // 2]))
@@ -405,7 +407,7 @@ def _tokens_kernel(
     amax_b_ptr, E, num_pid_m, num_pid_n, HAS_ALPHA: tl.constexpr, OUT_BF16: tl.constexpr,
     ASM: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, GROUP_M: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PERSISTENT: tl.constexpr,
-    PROGRAMS: tl.constexpr, STORE: tl.constexpr,
+    PROGRAMS: tl.constexpr, STORE: tl.constexpr, HW_BF16: tl.constexpr = False,
 ):  # fmt: skip
     if PERSISTENT:
         num_tiles = E * num_pid_m * num_pid_n
@@ -415,19 +417,19 @@ def _tokens_kernel(
                 _tokens_tile(a_desc, b_desc, out_desc, out_ptr, N, K, stride_oe, stride_on,
                              seg_ends_ptr, amax_a_ptr, amax_b_ptr, tile_id, E, num_pid_m, num_pid_n,
                              HAS_ALPHA, OUT_BF16, ASM, DOT_F32, INTERPRET, GROUP_M, BM, BN, BK,
-                             STORE)  # fmt: skip
+                             STORE, HW_BF16)  # fmt: skip
                 tile_id += PROGRAMS
         else:
             for tile_id in tl.range(tl.program_id(0), num_tiles, PROGRAMS):
                 _tokens_tile(a_desc, b_desc, out_desc, out_ptr, N, K, stride_oe, stride_on,
                              seg_ends_ptr, amax_a_ptr, amax_b_ptr, tile_id, E, num_pid_m, num_pid_n,
                              HAS_ALPHA, OUT_BF16, ASM, DOT_F32, INTERPRET, GROUP_M, BM, BN, BK,
-                             STORE)  # fmt: skip
+                             STORE, HW_BF16)  # fmt: skip
     else:
         _tokens_tile(a_desc, b_desc, out_desc, out_ptr, N, K, stride_oe, stride_on,
                      seg_ends_ptr, amax_a_ptr, amax_b_ptr, tl.program_id(0), E, num_pid_m,
                      num_pid_n, HAS_ALPHA, OUT_BF16, ASM, DOT_F32, INTERPRET, GROUP_M, BM, BN,
-                     BK, STORE)  # fmt: skip
+                     BK, STORE, HW_BF16)  # fmt: skip
 
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -498,7 +500,7 @@ def _launch_rows(a, b_desc, bq, bs, offs, amax_a, amax_b, out, E: int, N: int, b
     if ws:
         # the device-made descriptor's 128 bytes a program come from Triton's allocator, which
         # is per thread (a ContextVar): set here, where the backward's thread launches too
-        triton.set_allocator(_scratch)
+        triton.set_allocator(scratch)
     direct(_rows_kernel, (programs,),
         a_desc, a_desc if b_desc is None else b_desc, bq, bs, *q_strides, *s_strides, dst, out.stride(0), offs, tile_ends,
         amax_a if has_alpha else offs, amax_b if has_alpha else offs, M, N, K, E, num_pid_n,
@@ -509,7 +511,8 @@ def _launch_rows(a, b_desc, bq, bs, offs, amax_a, amax_b, out, E: int, N: int, b
         FLATTEN=persistent and not ws, WARP_SPECIALIZE=ws,
         GROUP_M=ROWS_GROUP_M_KMAJOR if b_kmajor else ROWS_GROUP_M_NMAJOR,
         A_DEVICE_DESC=ws, a_ptr=a if ws else None, stride_am=a.stride(0) if ws else None,
-        FUSED=persistent and not ws and ROWS_FUSED_LOOPS, num_warps=warps, num_stages=stages,
+        FUSED=persistent and not ws and ROWS_FUSED_LOOPS,
+        HW_BF16=epilogue.HW_BF16 and not interpreting(), num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
 
@@ -545,12 +548,6 @@ def _warp_specialized(out: torch.Tensor, b_format: int) -> bool:
     """Whether a rows launch runs warp-specialized (ROWS_WARP_SPECIALIZE): BF16 outputs
     with the weight's `_dq` only; the one place that decides, for its tiles and its launch."""
     return ROWS_WARP_SPECIALIZE and out.dtype == torch.bfloat16 and b_format == B_DQ.value
-
-
-def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Triton's runtime allocator (global scratch: the device-made tensor descriptors)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.empty(size, dtype=torch.int8, device=device)
 
 
 def _grid(device: torch.device, tiles: int, persistent: bool) -> tuple[int, int]:
@@ -614,7 +611,8 @@ def _grouped_gemm_tokens(
             num_pid_m, num_pid_n, HAS_ALPHA=has_alpha, OUT_BF16=bf16, ASM=not interpreting(),
             DOT_F32=interpreting() or a.dtype == torch.float32, INTERPRET=interpreting(),
             GROUP_M=TOKENS_GROUP_M, BM=bm, BN=bn, BK=bk, PERSISTENT=persistent,
-            PROGRAMS=programs_key, STORE=store, num_warps=warps, num_stages=stages,
+            PROGRAMS=programs_key, STORE=store, HW_BF16=epilogue.HW_BF16 and not interpreting(),
+            num_warps=warps, num_stages=stages,
         )  # fmt: skip
 
 
