@@ -143,6 +143,31 @@ def _epilogue_store(acc, out_desc, amax_a_ptr, amax_b_ptr, bias_ptr, om, on, N,
 
 
 @triton.jit
+def _interpreted_tiles(
+    a_desc, b_desc, out_desc, amax_a_ptr, amax_b_ptr, bias_ptr, N, num_pid_m, num_pid_n,
+    k_tiles, num_tiles, HAS_ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
+    ASM: tl.constexpr, B_KMAJOR: tl.constexpr, DOT_F32: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
+    HALVES: tl.constexpr, HW_BF16: tl.constexpr,
+):  # fmt: skip
+    """The persistent tile walk in Triton's interpreter, for both GEMM kernels (it cannot
+    iterate a range with a runtime bound under numpy 2)."""
+    tile_id = tl.program_id(0)
+    while tile_id < num_tiles:
+        pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        ki = 0
+        while ki < k_tiles:
+            acc = _mma_tile(a_desc, b_desc, pid_m * BM, pid_n * BN, ki, acc, B_KMAJOR, BK,
+                            DOT_F32)  # fmt: skip
+            ki += 1
+        _epilogue_store(acc, out_desc, amax_a_ptr, amax_b_ptr, bias_ptr, pid_m * BM, pid_n * BN,
+                        N, HAS_ALPHA, HAS_BIAS, OUT_BF16, ASM, BM, BN, HALVES,
+                        HW_BF16)  # fmt: skip
+        tile_id += PROGRAMS
+
+
+@triton.jit
 def _gemm_kernel(
     a_desc, b_desc, out_desc, amax_a_ptr, amax_b_ptr, bias_ptr, M, N, K,
     HAS_ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr,
@@ -156,20 +181,10 @@ def _gemm_kernel(
     k_tiles = tl.cdiv(K, BK)
     num_tiles = num_pid_m * num_pid_n
     if INTERPRET:
-        # (the interpreter cannot iterate a range with a runtime bound under numpy 2)
-        tile_id = tl.program_id(0)
-        while tile_id < num_tiles:
-            pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
-            acc = tl.zeros([BM, BN], dtype=tl.float32)
-            ki = 0
-            while ki < k_tiles:
-                acc = _mma_tile(a_desc, b_desc, pid_m * BM, pid_n * BN, ki, acc, B_KMAJOR, BK,
-                                DOT_F32)  # fmt: skip
-                ki += 1
-            _epilogue_store(acc, out_desc, amax_a_ptr, amax_b_ptr, bias_ptr, pid_m * BM,
-                            pid_n * BN, N, HAS_ALPHA, HAS_BIAS, OUT_BF16, ASM, BM, BN, HALVES,
-                            HW_BF16)  # fmt: skip
-            tile_id += PROGRAMS
+        _interpreted_tiles(a_desc, b_desc, out_desc, amax_a_ptr, amax_b_ptr, bias_ptr, N,
+                           num_pid_m, num_pid_n, k_tiles, num_tiles, HAS_ALPHA, HAS_BIAS,
+                           OUT_BF16, ASM, B_KMAJOR, DOT_F32, BM, BN, BK, GROUP_M, PROGRAMS,
+                           HALVES, HW_BF16)  # fmt: skip
     else:
         for tile_id in tl.range(
             tl.program_id(0), num_tiles, PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE
@@ -215,24 +230,13 @@ def _gemm_ws_kernel(
     num_pid_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
     num_tiles = num_pid_m * num_pid_n
-    tile_c = tl.program_id(0)
-    if INTERPRET:
-        tile_id = tl.program_id(0)
-        while tile_id < num_tiles:
-            pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
-            acc = tl.zeros([BM, BN], dtype=tl.float32)
-            ki = 0
-            while ki < k_tiles:
-                acc = _mma_tile(a_desc, b_desc, pid_m * BM, pid_n * BN, ki, acc, B_KMAJOR, BK,
-                                DOT_F32)  # fmt: skip
-                ki += 1
-            pm, pn = _tile(tile_c, num_pid_m, num_pid_n, GROUP_M)
-            _epilogue_store(acc, out_desc, amax_a_ptr, amax_b_ptr, bias_ptr, pm * BM, pn * BN,
-                            N, HAS_ALPHA, HAS_BIAS, OUT_BF16, ASM, BM, BN, False,
-                            HW_BF16)  # fmt: skip
-            tile_c += PROGRAMS
-            tile_id += PROGRAMS
+    if INTERPRET:  # (one program at a time: the epilogue's counter is the loads')
+        _interpreted_tiles(a_desc, b_desc, out_desc, amax_a_ptr, amax_b_ptr, bias_ptr, N,
+                           num_pid_m, num_pid_n, k_tiles, num_tiles, HAS_ALPHA, HAS_BIAS,
+                           OUT_BF16, ASM, B_KMAJOR, DOT_F32, BM, BN, BK, GROUP_M, PROGRAMS,
+                           False, HW_BF16)  # fmt: skip
     else:
+        tile_c = tl.program_id(0)
         for tile_id in tl.range(tl.program_id(0), num_tiles, PROGRAMS, warp_specialize=True):
             pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
             acc = tl.zeros([BM, BN], dtype=tl.float32)
