@@ -43,6 +43,11 @@ OUT_DTYPES = (torch.bfloat16, torch.float32)
 HW_BF16 = True
 
 
+def hw_bf16() -> bool:
+    """The HW_BF16 constexpr a GEMM launch passes: the switch, and never in the interpreter."""
+    return HW_BF16 and not interpreting()
+
+
 @triton.jit
 def _mul_rn(a, b, ASM: tl.constexpr):
     """a * b rounded to FP32 on its own (never fused into a following add)."""
@@ -104,7 +109,7 @@ def _gemm_epilogue(
         bias if bias is not None else acc, dst,
         M, N, acc.stride(0), out.stride(0),
         HAS_ALPHA=amax_a is not None, HAS_BIAS=bias is not None, OUT_BF16=bf16,
-        ASM=not interpreting(), BM=bm, BN=bn, HW_BF16=HW_BF16 and not interpreting(), num_warps=4,
+        ASM=not interpreting(), BM=bm, BN=bn, HW_BF16=hw_bf16(), num_warps=4,
     )  # fmt: skip
 
 

@@ -368,7 +368,7 @@ def _launch_gemm(
             ASM=not interpret, B_KMAJOR=b_kmajor,
             DOT_F32=interpret or a.dtype == torch.float32, INTERPRET=interpret,
             BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PROGRAMS=programs,
-            HW_BF16=epilogue.HW_BF16 and not interpret, num_warps=warps, num_stages=stages,
+            HW_BF16=epilogue.hw_bf16(), num_warps=warps, num_stages=stages,
         )  # fmt: skip
         return
     a_desc = _descriptor(a, [bm, bk])
@@ -383,7 +383,7 @@ def _launch_gemm(
         ASM=not interpret, B_KMAJOR=b_kmajor,
         DOT_F32=interpret or a.dtype == torch.float32, INTERPRET=interpret,
         BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PROGRAMS=programs, FLATTEN=bool(flatten),
-        WARP_SPECIALIZE=bool(ws), HALVES=halves, HW_BF16=epilogue.HW_BF16 and not interpret,
+        WARP_SPECIALIZE=bool(ws), HALVES=halves, HW_BF16=epilogue.hw_bf16(),
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
 

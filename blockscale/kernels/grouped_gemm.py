@@ -512,7 +512,7 @@ def _launch_rows(a, b_desc, bq, bs, offs, amax_a, amax_b, out, E: int, N: int, b
         GROUP_M=ROWS_GROUP_M_KMAJOR if b_kmajor else ROWS_GROUP_M_NMAJOR,
         A_DEVICE_DESC=ws, a_ptr=a if ws else None, stride_am=a.stride(0) if ws else None,
         FUSED=persistent and not ws and ROWS_FUSED_LOOPS,
-        HW_BF16=epilogue.HW_BF16 and not interpreting(), num_warps=warps, num_stages=stages,
+        HW_BF16=epilogue.hw_bf16(), num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
 
@@ -611,7 +611,7 @@ def _grouped_gemm_tokens(
             num_pid_m, num_pid_n, HAS_ALPHA=has_alpha, OUT_BF16=bf16, ASM=not interpreting(),
             DOT_F32=interpreting() or a.dtype == torch.float32, INTERPRET=interpreting(),
             GROUP_M=TOKENS_GROUP_M, BM=bm, BN=bn, BK=bk, PERSISTENT=persistent,
-            PROGRAMS=programs_key, STORE=store, HW_BF16=epilogue.HW_BF16 and not interpreting(),
+            PROGRAMS=programs_key, STORE=store, HW_BF16=epilogue.hw_bf16(),
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
 
