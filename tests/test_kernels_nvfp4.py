@@ -7,11 +7,13 @@ shapes and on random data with outliers.
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from blockscale import kernels
 from blockscale.formats import e2m1, hadamard, nvfp4
 from blockscale.kernels import nvfp4 as nvfp4_kernels
-from blockscale.kernels._common import sr_seed
+from blockscale.kernels._common import e4m3_code_value, sr_seed
 
 ON_GPU = torch.cuda.is_available()
 DEV = "cuda" if ON_GPU else "cpu"
@@ -523,3 +525,32 @@ def test_dq_only_launch_writes_the_full_launchs_dq(dtype):
         assert full[0].shape == (80, 48) and dq_only[0].shape == (0, 48)
         assert full[1].shape == (80, 6) and dq_only[1].shape == (0, 6)
         torch.testing.assert_close(dq_only[3], full[3], atol=0, rtol=0)  # the amax
+
+
+@triton.jit
+def _e4m3_codec_mismatches(out_ptr, n, BLOCK: tl.constexpr):
+    """Counts the FP32 bit patterns 0..n-1 (and NaN, in program 0) whose hardware E4M3 code
+    or decoded value differ from the integer codec's."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    bits = tl.where(offs < n, offs, 0x7FC00000).to(tl.int32)
+    b = bits.to(tl.float32, bitcast=True)
+    code_hw, value_hw = e4m3_code_value(b, True)
+    code, value = e4m3_code_value(b, False)
+    same_value = (value_hw == value) | ((value_hw != value_hw) & (value != value))
+    bad = (code_hw != code) | ~same_value
+    tl.atomic_add(out_ptr, tl.sum(bad.to(tl.int32)))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_hardware_e4m3_codec_is_the_integer_codec():
+    """Every FP32 block scale the quantize kernels can encode (0 to 448, every bit pattern,
+    and NaN): the GPU's conversions (`cvt.rn.satfinite.e4m3x2.f32` and back) give the integer
+    codec's RNE code and value, subnormal codes included. The interpreter cannot run the
+    hardware path, so only this test checks it."""
+    n = torch.tensor(448.0).view(torch.int32).item() + 1
+    block = 4096
+    out = torch.zeros(1, dtype=torch.int32, device=DEV)
+    _e4m3_codec_mismatches[(triton.cdiv(n, block) + 1,)](out, n, BLOCK=block)
+    assert out.item() == 0
+

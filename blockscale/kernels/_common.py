@@ -251,6 +251,28 @@ def e4m3_value(code):
 
 
 @triton.jit
+def e4m3_code_value(b, HW: tl.constexpr):
+    """Non-negative FP32 b (<= 448, or NaN) -> (int32 E4M3 code, nearest even; its FP32
+    value). HW (the GPU): the hardware conversions, `cvt.rn.satfinite.e4m3x2.f32` one way and
+    e4m3x2 -> f16x2 -> f32 back, a few instructions for two values where the integer codec
+    takes about twenty a value (the interpreter's FP8 cast is not RNE: e4m3_code there)."""
+    if HW:
+        code = b.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        code = e4m3_code(b)
+    return code, e4m3_decode(code, HW)
+
+
+@triton.jit
+def e4m3_decode(code, HW: tl.constexpr):
+    """int32 E4M3 code (0..127) -> its FP32 value (0x7F: NaN). HW: the hardware conversion."""
+    if HW:
+        return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return e4m3_value(code)
+
+
+@triton.jit
 def e4m3_code_signed(x):
     """FP32 in [-448, 448] (or NaN) -> int32 E4M3 byte with sign, nearest even."""
     bits = x.to(tl.int32, bitcast=True)

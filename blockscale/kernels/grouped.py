@@ -211,7 +211,7 @@ def _nvfp4_grouped_kernel(
     COL_SR: tl.constexpr, COL_HAD: tl.constexpr, DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr,
     GATHER: tl.constexpr, band, DOT_F32: tl.constexpr, HW: tl.constexpr, BM: tl.constexpr,
     BK: tl.constexpr, ONE_GROUP: tl.constexpr = False, ROW_CODES: tl.constexpr = True,
-    COL_CODES: tl.constexpr = True,
+    COL_CODES: tl.constexpr = True, ENC_TABLE: tl.constexpr = False,
 ):  # fmt: skip
     """ONE_GROUP: every tile's BM positions lie in one group (the launcher's `_one_group`),
     so each global scale is computed once a program, as in the dense kernel, instead of once
@@ -237,8 +237,9 @@ def _nvfp4_grouped_kernel(
             mult = mult[:, None]
         u = _uniforms(seed_ptr, seed_ptr, p0, k0, P, K, 0, BM, BK, ROW_SR, False, False)
         packed, scode, dq, _ = _quantize_tile(
-            x.to(tl.float32), s_dec, mult, u, BM, BK, ROW_2D, ROW_SR, DQ_ROW, HW
-        )
+            x.to(tl.float32), s_dec, mult, u, BM, BK, ROW_2D, ROW_SR, DQ_ROW, HW,
+            ENC_TABLE and ONE_GROUP,
+        )  # fmt: skip
         store_rows(packed, scode, dq, data_ptr, scale_ptr, dq_ptr, src, valid, k0, K, BK,
                       DQ_ROW, ROW_CODES)  # fmt: skip
     if COL:
@@ -254,7 +255,7 @@ def _nvfp4_grouped_kernel(
         u_t = _uniforms(seed_ptr, seed_ptr, k0, p0, K, P, base, BK, BM, COL_SR, False, True)
         quantize_columns(x, s_dec_t, mult_t, u_t, h_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
                          k0, p0, K, P, BK, BM, False, COL_SR, COL_HAD, DQ_COL, DOT_F32,
-                         HW, COL_CODES)  # fmt: skip
+                         HW, COL_CODES, ENC_TABLE and ONE_GROUP)  # fmt: skip
 
 
 @triton.jit
@@ -357,7 +358,7 @@ def _nvfp4_quantize_grouped_2d(
         data, scale, dq_r.view(torch.int16), data_t, scale_t, dq_c.view(torch.int16),
         ROW=row, COL=col, ROW_2D=row_2d, ROW_SR=row_sr, COL_SR=col_sr, COL_HAD=col_hadamard,
         DQ_ROW=dq_row, DQ_COL=dq_col, GATHER=source is not None, band=band,
-        DOT_F32=dot_in_fp32(x), HW=not interpreting(),
+        DOT_F32=dot_in_fp32(x), HW=not interpreting(), ENC_TABLE=nv.ENC_TABLE,
         BM=bm, BK=bk, ONE_GROUP=kind in ONE_GROUP_KINDS and _one_group(source is not None, P, E, bm),
         ROW_CODES=row_codes, COL_CODES=col_codes, **options,
     )  # fmt: skip

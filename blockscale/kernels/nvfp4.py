@@ -37,8 +37,8 @@ from blockscale.kernels._common import (
     dot_in_fp32,
     dq_flags,
     e4m3_byte_value,
-    e4m3_code,
-    e4m3_value,
+    e4m3_code_value,
+    e4m3_decode,
     hadamard_16,
     hadamard_matrix,
     interpreting,
@@ -57,6 +57,12 @@ from blockscale.kernels._launch import launch
 from blockscale.kernels.amax import amax_fused, amax_of_copy
 
 BLOCK = 16
+
+# The block scales' encode multipliers 1 / (scale * S_dec) from a table of the 128 E4M3
+# codes' multipliers that a program builds once (one IEEE division a thread), where S_dec is
+# one scalar for the tile, instead of one division for each block a thread holds part of
+# (docs/KERNELS.md). A module value read at launch, so a benchmark can turn it off.
+ENC_TABLE = True
 
 
 # Stochastic rounding's random bits. Value j of 16-value block c of a copy rounds with
@@ -169,11 +175,14 @@ def add_up(a, b, HW: tl.constexpr):
 
 
 @triton.jit
-def _e2m1(w, u, SR: tl.constexpr, DQ: tl.constexpr, HW: tl.constexpr = False):
-    """Scaled FP32 values -> (int32 whose low three bits are the magnitude index 0..7, FP32
-    magnitude on the grid when DQ), nearest-even or stochastic (u: 256 times the uniforms, so
-    integers 0..255 from the hash), of a = min(|w|, 6). NaN gives garbage here; the caller
-    zeroes NaN blocks.
+def _e2m1(
+    w, u, SR: tl.constexpr, DQ: tl.constexpr, HW: tl.constexpr = False, step=0, scale_bits=0
+):  # fmt: skip
+    """Scaled FP32 values -> (int32 whose low three bits are the magnitude index 0..7, and
+    when DQ the FP32 `_dq` value: the grid magnitude times the signed block scale that `step`
+    and `scale_bits` encode, _dq_scale_bits), nearest-even or stochastic (u: 256 times the
+    uniforms, so integers 0..255 from the hash), of a = min(|w|, 6). NaN gives garbage here;
+    the caller zeroes NaN blocks.
 
     The grid has step 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6]: with 2^j the binade of max(a, 1)
     (j = 0, 1, 2; e = 127 + j the exponent field), y = a * 2^(1-j) puts the step at 1 (exact),
@@ -196,24 +205,46 @@ def _e2m1(w, u, SR: tl.constexpr, DQ: tl.constexpr, HW: tl.constexpr = False):
     if SR:  # 256 y = a * 2^(9-j); t = 256 (r + 1.5 * 2^23 + 2), bits(t) = 0x4F400002 + r
         c = 3221225984.0
         t = add_up(a * ((263 - e) * 0x800000).to(tl.float32, bitcast=True) - u, c, HW)
-        mag_exp = 0x4800000  # r = (t - c) / 256, so the magnitude is (t - c) * 2^(j-9)
+        # r = (t - c) / 256, so the magnitude is (t - c) * 2^(j-9)
     else:  # t = r + 1.5 * 2^23 + 2, bits(t) = 0x4B400002 + r
         c = 12582914.0
         t = a * (0x7F800000 - e * 0x800000).to(tl.float32, bitcast=True) + c
-        mag_exp = 0x800000  # the magnitude is (t - c) * 2^(j-1)
+        # the magnitude is (t - c) * 2^(j-1)
     # bits(t) + 2e = 0x4B400100 + index (0x4F400100 + index): the low three bits
     idx = t.to(tl.int32, bitcast=True) + e * 2
-    if DQ:
-        mag = (t - c) * (e * 0x800000 - mag_exp).to(tl.float32, bitcast=True)
+    if DQ:  # t - c times the signed scale * 2^(j-9) (or 2^(j-1)): the magnitude times the scale
+        dq = (t - c) * (e * step + scale_bits).to(tl.float32, bitcast=True)
     else:
-        mag = 0.0
-    return idx, mag
+        dq = 0.0
+    return idx, dq
+
+
+@triton.jit
+def _dq_scale_bits(sval, neg, SR: tl.constexpr):
+    """(step, bits) per value such that bits(e * step + bits), for _e2m1's binade field e, is
+    the value's signed scale times _e2m1's 2^(j - 9) (stochastic) or 2^(j - 1) (nearest), so
+    the `_dq` value is one multiply of t - c: the magnitude's power of two goes into the
+    scale's exponent field by one integer multiply-add a value (exact: scale * 2^(j - 9) >=
+    2^-18 stays normal), where the magnitude took an add, a multiply-add and a multiply and
+    the `_dq` another multiply. A zero or NaN scale has step 0 and keeps its bits, so the
+    product is a signed zero or NaN as the magnitude times the scale is. The sign bit is
+    flipped where w < 0 (as the code's: -0.0 gives +0.0). The same bits as the magnitude
+    times the signed scale, one operation a value fewer (docs/KERNELS.md)."""
+    valid = sval > 0.0
+    sbits = sval.to(tl.int32, bitcast=True)
+    if SR:
+        shift: tl.constexpr = (127 + 9) << 23
+    else:
+        shift: tl.constexpr = (127 + 1) << 23
+    step = tl.where(valid, 0x800000, 0)[:, :, None]
+    base = tl.where(valid, sbits - shift, sbits)[:, :, None]
+    return step, tl.where(neg, base ^ -2147483648, base)
 
 
 @triton.jit
 def _quantize_tile(
     v, s_dec, mult, u, R: tl.constexpr, C: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr,
-    DQ: tl.constexpr, HW: tl.constexpr = False,
+    DQ: tl.constexpr, HW: tl.constexpr = False, TABLE: tl.constexpr = False,
 ):  # fmt: skip
     """An FP32 [R, C] tile, blocks of 16 along C -> (packed uint8 [R, C/2], E4M3 scale codes
     uint8 [R, C/16], FP32 dq [R, C] = code value * scale, whether every value was finite)."""
@@ -224,19 +255,30 @@ def _quantize_tile(
         tile = tl.reduce(tl.reshape(block_amax, [R // 16, 16, NB]), 1, max_keep_nan)
         block_amax = tl.reshape(tl.broadcast_to(tile[:, None, :], [R // 16, 16, NB]), [R, NB])
     b = min_keep_nan(block_amax * mult, 448.0)
-    scode = e4m3_code(b)
-    sval = e4m3_value(scode)
-    enc = min_keep_nan(tl.math.div_rn(tl.full([R, NB], 1.0, tl.float32), sval * s_dec), FLT_MAX)
+    scode, sval = e4m3_code_value(b, HW)
+    if TABLE:  # (s_dec one scalar: the block scales' 128 reciprocals, one a thread)
+        codes = tl.arange(0, 128)
+        table = min_keep_nan(
+            tl.math.div_rn(tl.full([128], 1.0, tl.float32), e4m3_decode(codes, HW) * s_dec),
+            FLT_MAX,
+        )
+        enc = tl.reshape(tl.gather(table, tl.reshape(scode, [R * NB]), 0), [R, NB])
+    else:
+        enc = min_keep_nan(tl.math.div_rn(tl.full([R, NB], 1.0, tl.float32), sval * s_dec), FLT_MAX)
     w = vb * enc[:, :, None]
-    idx, mag = _e2m1(w, u, SR, DQ, HW)
+    neg = w < 0.0
+    if DQ:
+        step, scale_bits = _dq_scale_bits(sval, neg, SR)
+    else:
+        step, scale_bits = 0, 0
+    idx, dq = _e2m1(w, u, SR, DQ, HW, step, scale_bits)
     # A NaN block (NaN input or NaN amax) has NaN scaled values: codes 0, as the reference.
     # Per block, the index mask is 7, or 0 in a NaN block (whose w < 0 is false throughout),
     # so a code is one three-input bit operation: (idx & mask) | sign.
-    neg = w < 0.0
     mask = tl.where(sval == sval, 7, 0)
     code = (idx & mask[:, :, None]) | tl.where(neg, 8, 0)
-    # (sval * -1.0, not -sval: Triton's negation is 0 - x, which makes -0.0 of a zero scale +0.0)
-    dq = tl.reshape(mag * tl.where(neg, sval[:, :, None] * -1.0, sval[:, :, None]), [R, C])
+    if DQ:
+        dq = tl.reshape(dq, [R, C])
     lo, hi = tl.split(tl.reshape(code, [R, C // 2, 2]))
     packed = (lo + hi * 16).to(tl.uint8)  # (disjoint bits: a multiply-add, not a shift and or)
     # on the bits: tl.max over floats drops NaN (GPU and interpreter alike)
@@ -323,6 +365,7 @@ def _nvfp4_quantize_kernel(
     RAND_GIVEN: tl.constexpr, DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr,
     band, DOT_F32: tl.constexpr, HW: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
     ROW_CODES: tl.constexpr = True, COL_CODES: tl.constexpr = True,
+    ENC_TABLE: tl.constexpr = False,
 ):  # fmt: skip
     tile_m, tile_k = band_tile(band)
     m0 = tile_m * BM
@@ -337,7 +380,7 @@ def _nvfp4_quantize_kernel(
         s_dec, mult = nvfp4_global(tl.load(amax_row_ptr))
         u = _uniforms(seed_ptr, rand_row_ptr, m0, k0, M, K, 0, BM, BK, ROW_SR, RAND_GIVEN, False)
         packed, scode, dq, _ = _quantize_tile(
-            x.to(tl.float32), s_dec, mult, u, BM, BK, ROW_2D, ROW_SR, DQ_ROW, HW
+            x.to(tl.float32), s_dec, mult, u, BM, BK, ROW_2D, ROW_SR, DQ_ROW, HW, ENC_TABLE
         )
         _store_quantized(
             packed, scode, dq, data_ptr, scale_ptr, dq_ptr, m0, k0, M, K, BM, BK, DQ_ROW,
@@ -352,7 +395,7 @@ def _nvfp4_quantize_kernel(
         )
         quantize_columns(x, s_dec_t, mult_t, u_t, h_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr,
                          k0, m0, K, M, BK, BM, COL_2D, COL_SR, COL_HAD, DQ_COL, DOT_F32,
-                         HW, COL_CODES)  # fmt: skip
+                         HW, COL_CODES, ENC_TABLE)  # fmt: skip
 
 
 @triton.jit
@@ -360,7 +403,7 @@ def quantize_columns(
     x, s_dec_t, mult_t, u_t, h_ptr, data_t_ptr, scale_t_ptr, dq_t_ptr, k0, m0, K, M,
     BK: tl.constexpr, BM: tl.constexpr, COL_2D: tl.constexpr, COL_SR: tl.constexpr,
     COL_HAD: tl.constexpr, DQ_COL: tl.constexpr, DOT_F32: tl.constexpr, HW: tl.constexpr,
-    CODES: tl.constexpr = True,
+    CODES: tl.constexpr = True, TABLE: tl.constexpr = False,
 ):  # fmt: skip
     """The columnwise copy of a loaded [BM, BK] tile x (blocks along its BM rows, optionally
     Hadamard-transformed) stored at (k0, m0) of the [K, M] outputs (CODES False: its `_dq`
@@ -372,7 +415,7 @@ def quantize_columns(
     else:
         vt = relayout_16(xt, BK, BM, DOT_F32)
     packed_t, scode_t, dq_t, finite = _quantize_tile(
-        vt, s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR, DQ_COL, HW
+        vt, s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR, DQ_COL, HW, TABLE
     )
     if COL_HAD or finite:
         _store_quantized(
@@ -382,7 +425,7 @@ def quantize_columns(
     else:
         # Inf * 0 in the identity product made NaN: redo this tile from the plain transpose.
         packed_t, scode_t, dq_t, _ = _quantize_tile(
-            xt.to(tl.float32), s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR, DQ_COL, HW
+            xt.to(tl.float32), s_dec_t, mult_t, u_t, BK, BM, COL_2D, COL_SR, DQ_COL, HW, TABLE
         )
         _store_quantized(
             packed_t, scode_t, dq_t, data_t_ptr, scale_t_ptr, dq_t_ptr,
@@ -515,7 +558,7 @@ def _nvfp4_quantize_2d(
         data, scale, dq_r.view(torch.int16), data_t, scale_t, dq_c.view(torch.int16),
         ROW=row, COL=col, ROW_2D=row_2d, COL_2D=col_2d, ROW_SR=row_sr, COL_SR=col_sr,
         COL_HAD=col_hadamard, RAND_GIVEN=rand_given, DQ_ROW=dq_row, DQ_COL=dq_col,
-        band=band, DOT_F32=dot_in_fp32(x), HW=not interpreting(),
+        band=band, DOT_F32=dot_in_fp32(x), HW=not interpreting(), ENC_TABLE=ENC_TABLE,
         BM=bm, BK=bk, ROW_CODES=row_codes, COL_CODES=col_codes, **options,
     )  # fmt: skip
     return data, scale, dq_r, data_t, scale_t, dq_c
