@@ -553,4 +553,3 @@ def test_gpu_hardware_e4m3_codec_is_the_integer_codec():
     out = torch.zeros(1, dtype=torch.int32, device=DEV)
     _e4m3_codec_mismatches[(triton.cdiv(n, block) + 1,)](out, n, BLOCK=block)
     assert out.item() == 0
-
