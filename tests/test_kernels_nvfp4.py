@@ -555,34 +555,32 @@ def test_gpu_hardware_e4m3_codec_is_the_integer_codec():
     assert out.item() == 0
 
 
-def test_stochastic_both_direction_launch_takes_its_tile_by_width(monkeypatch):
-    """grad_output's launch (both copies stochastic with `_dq`) takes the `both_sr_dq` tile
-    from NARROW_COLS columns on and the `both_sr_dq_narrow` one below (timed on the H200,
-    docs/KERNELS.md), with the same bits either way."""
+def test_stochastic_dq_only_launch_takes_its_tile_by_width(monkeypatch):
+    """grad_output's launch as the emulated GEMMs take it (both copies stochastic, each its
+    `_dq` alone) takes the `both_sr_dq_only` tile from WIDE_COLS columns on, `both_sr_dq`
+    below and whenever it writes codes (timed on the H200, docs/KERNELS.md); the bits are
+    the same at either tile."""
     used = []
     real = nvfp4_kernels.launch_tiles
     monkeypatch.setattr(nvfp4_kernels, "launch_tiles", lambda e: used.append(e) or real(e))
-    sr = dict(rounding="stochastic")
-    narrow, wide = nvfp4_kernels.NARROW_COLS - 16, nvfp4_kernels.NARROW_COLS
+    wide = nvfp4_kernels.WIDE_COLS
     x = randn(32, wide, seed=5)
-    outs = {}
-    for cols in (narrow, wide):
-        (q_row, dq_row), (q_col, dq_col) = kernels.nvfp4_quantize_both(
-            x[:, :cols], sr, dict(sr, hadamard=True), return_dq=True,
-            generator=torch.Generator(DEV).manual_seed(3),
+
+    def grad_output_copies(cols: int, codes: bool) -> tuple[torch.Tensor, ...]:
+        return nvfp4_kernels.quantize_both_2d(
+            x[:, :cols], False, True, False, True, True, None, None, True, True,
+            torch.Generator(DEV).manual_seed(3), codes,
         )  # fmt: skip
-        outs[cols] = (q_row, dq_row, q_col, dq_col)
+
+    narrow_outs = grad_output_copies(wide - 16, False)
+    grad_output_copies(wide, False)
+    grad_output_copies(wide, True)
     tiles = nvfp4_kernels.TILES
-    assert used == [tiles["both_sr_dq_narrow"], tiles["both_sr_dq"]]
-    assert used[0] != used[1]
-    # the narrow input at the wide tile: the same bits
-    monkeypatch.setattr(nvfp4_kernels, "NARROW_COLS", 1)
-    (q_row, dq_row), (q_col, dq_col) = kernels.nvfp4_quantize_both(
-        x[:, :narrow], sr, dict(sr, hadamard=True), return_dq=True,
-        generator=torch.Generator(DEV).manual_seed(3),
-    )  # fmt: skip
-    assert used[-1] == tiles["both_sr_dq"]
-    assert_same(q_row, outs[narrow][0])
-    assert_bits(dq_row, outs[narrow][1])
-    assert_same(q_col, outs[narrow][2])
-    assert_bits(dq_col, outs[narrow][3])
+    assert used == [tiles["both_sr_dq"], tiles["both_sr_dq_only"], tiles["both_sr_dq"]]
+    assert tiles["both_sr_dq"] != tiles["both_sr_dq_only"]
+    monkeypatch.setattr(nvfp4_kernels, "WIDE_COLS", 16)  # the narrow input at the wide tile
+    outs = grad_output_copies(wide - 16, False)
+    assert used[-1] == tiles["both_sr_dq_only"]
+    for i in (2, 6):  # the two `_dq` copies
+        assert narrow_outs[i].numel() and outs[i].shape == narrow_outs[i].shape
+        assert_bits(outs[i], narrow_outs[i])

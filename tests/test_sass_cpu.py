@@ -21,12 +21,11 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPT = BENCHMARKS / "research" / "sass_cpu.py"
 
 
-def sass_rows(out: Path, *args: str, shape: str = "256,256") -> list[dict]:
-    """sass_cpu.py's rows for a 256x256 input (or `shape`), with `args` (run without
-    TRITON_INTERPRET)."""
+def sass_rows(out: Path, *args: str) -> list[dict]:
+    """sass_cpu.py's rows for a 256x256 input, with `args` (run without TRITON_INTERPRET)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--shape", shape, *args, "--json", str(out)],
+        [sys.executable, str(SCRIPT), "--shape", "256,256", *args, "--json", str(out)],
         env=env, capture_output=True, text=True, timeout=1800,  # 143 s on one loaded core
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -92,14 +91,12 @@ def test_the_philox_switch_for_ab_timing_takes_effect(rows, tmp_path):
 def test_a_register_cap_given_on_the_command_line_reaches_the_compiler(tmp_path):
     """`--tiles TABLE.KEY=BM,BK,WARPS,MAXNREG` (benchmarks/tiles.py) sets a launch's register
     cap, which ptxas honours (spilling if it must): the both-direction SR kernel, 168 registers
-    at a 64x64/4 tile, compiles within 128 with the cap, so 4 programs fit an SM. (2048
-    columns: narrower inputs launch with the `both_sr_dq_narrow` entry.)"""
-    only, shape = ("--only", "both SR"), "256,2048"
+    at a 64x64/4 tile, compiles within 128 with the cap, so 4 programs fit an SM."""
     (plain,) = sass_rows(
-        tmp_path / "plain.json", *only, "--tiles", "nvfp4.both_sr_dq=64,64,4", shape=shape
+        tmp_path / "plain.json", "--only", "both SR", "--tiles", "nvfp4.both_sr_dq=64,64,4"
     )
     (capped,) = sass_rows(
-        tmp_path / "capped.json", *only, "--tiles", "nvfp4.both_sr_dq=64,64,4,128", shape=shape
+        tmp_path / "capped.json", "--only", "both SR", "--tiles", "nvfp4.both_sr_dq=64,64,4,128"
     )
     assert plain["registers"] > 128 and plain["programs_per_sm"] < 4, plain
     assert capped["registers"] <= 128 and capped["programs_per_sm"] == 4, capped

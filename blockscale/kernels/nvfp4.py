@@ -490,11 +490,13 @@ def _nvfp4_dequantize_kernel(
 # and 596 against 554 us at 16384 x 8192; with it (6 programs an SM, no spill) 543, 377 and
 # 147 us against 550-554, 385 and 153 at 16384 x 8192, 5632 and 2048, and 1854 against 1895
 # at 65536 x 7168 (H100, bench_quantize); a 96 cap tied the old kernel. Since the encode
-# table and the hardware E4M3 codec (2026-12-02) it takes 32x128/4 with a 128-register cap
-# (4 programs an SM, 1.88 warp instructions a value against 2.25): 257 against 273 us at
-# [16384, 5632] and 103 against 108 at [16384, 2048] on the H200 (docs/KERNELS.md); below
-# NARROW_COLS columns (k / v's [16384, 512]: 44.6 against 38.1 us) it keeps 32x64/4 at 80.
-NARROW_COLS = 2048
+# table and the hardware E4M3 codec (2026-12-02) grad_output's launch as the emulated GEMMs
+# take it (both copies their `_dq` alone) runs faster with 32 values a thread, 32x128/4 at
+# 128 registers (4 programs an SM, 1.88 warp instructions a value against 2.25):
+# "both_sr_dq_only", 257 against 273 us at [16384, 5632] and 103 against 108 at [16384, 2048]
+# on the H200, but not below WIDE_COLS columns (k / v's [16384, 512]: 44.6 against 38.1 us;
+# docs/KERNELS.md). The launch that also writes codes was not timed at it and keeps its tile.
+WIDE_COLS = 2048
 TILES = {
     "row": (64, 128, 8),
     "row_dq": (32, 128, 8),
@@ -502,8 +504,8 @@ TILES = {
     "col_dq": (64, 64, 8),
     "both": (64, 64, 4),
     "both_dq": (64, 64, 4, 128),
-    "both_sr_dq": (32, 128, 4, 128),
-    "both_sr_dq_narrow": (32, 64, 4, 80),
+    "both_sr_dq": (32, 64, 4, 80),
+    "both_sr_dq_only": (32, 128, 4, 128),
 }
 
 
@@ -553,8 +555,8 @@ def _nvfp4_quantize_2d(
     rand_given = rand_row is not None or rand_col is not None
     dummy = amax_row
     kind = launch_kind(row, col, dq_row or dq_col, (row and row_sr) or (col and col_sr))
-    if kind == "both_sr_dq" and K < NARROW_COLS:
-        kind += "_narrow"
+    if kind == "both_sr_dq" and K >= WIDE_COLS and not (row_codes or col_codes):
+        kind = "both_sr_dq_only"
     bm, bk, options = launch_tiles(TILES[kind])
     grid, band = band_grid(M, K, bm, bk)
     launch(_nvfp4_quantize_kernel, grid,
