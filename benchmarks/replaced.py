@@ -12,6 +12,13 @@
   kernel; the kernels now read the copy in place (`_common.row_stack`). A Python-level swap,
   so unlike the others it may be switched within one process: bench_grouped_mm.py
   `--dequantize` times both side by side with `old_dequantize_dq`.
+- `e4m3-integer` (replaced 2026-12-02): the NVFP4 block scales' E4M3 code and value by the
+  integer codec on the GPU too; the kernels now use the hardware conversions there
+  (`_common.e4m3_code_value`, `e4m3_decode` with HW).
+- `enc-division` (replaced 2026-12-02): each block's encode multiplier by its own IEEE
+  division, one a thread for each block it holds part of, instead of the per-program table of
+  the 128 codes' multipliers (kernels/nvfp4.py `ENC_TABLE`, a module value: this sets it off
+  before anything launches; a benchmark may also flip it between timed calls).
 
 `use(names)` puts the old functions back into the kernels' modules. Triton resolves a kernel's
 callees when it first compiles it, so call it before the first launch, in its own process:
@@ -25,7 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
-from blockscale.kernels._common import e4m3_byte_value, e4m3_code_signed
+from blockscale.kernels._common import (
+    e4m3_byte_value,
+    e4m3_code,
+    e4m3_code_signed,
+    e4m3_value,
+)
 
 
 @triton.jit
@@ -49,6 +61,31 @@ def _philox_uniforms(
 def _e4m3_round_through_code(w):
     """The E4M3 rounding of w by way of its integer code (the path e4m3_round replaced)."""
     return e4m3_byte_value(e4m3_code_signed(w))
+
+
+@triton.jit
+def _e4m3_code_value_integer(b, HW: tl.constexpr):
+    """The block scale's (code, value) by the integer codec, whatever HW says."""
+    code = e4m3_code(b)
+    return code, e4m3_value(code)
+
+
+@triton.jit
+def _e4m3_decode_integer(code, HW: tl.constexpr):
+    return e4m3_value(code)
+
+
+def _e4m3_integer() -> None:
+    from blockscale.kernels import nvfp4
+
+    nvfp4.e4m3_code_value = _e4m3_code_value_integer
+    nvfp4.e4m3_decode = _e4m3_decode_integer
+
+
+def _enc_division() -> None:
+    from blockscale.kernels import nvfp4
+
+    nvfp4.ENC_TABLE = False
 
 
 def _sr_philox() -> None:
@@ -97,6 +134,8 @@ REPLACED = {
     "sr-philox": _sr_philox,
     "mx-dq-integer": _mx_dq_integer,
     "dq-copy-first": _dq_copy_first,
+    "e4m3-integer": _e4m3_integer,
+    "enc-division": _enc_division,
 }
 
 

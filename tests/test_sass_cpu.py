@@ -78,6 +78,24 @@ def test_stochastic_rounding_hashes_each_word_once_a_thread(rows):
     assert both["hash_multiplies"] == 2 * (2 + 2 * both["values_per_thread"] / 4), both
 
 
+def test_the_block_scale_switches_for_ab_timing_take_effect(rows, tmp_path):
+    """`--replaced e4m3-integer,enc-division` must compile the integer E4M3 codec and a
+    division a block back into the NVFP4 launches, or an A/B timing of the 2026-12-02
+    changes would compare the new code with itself (at 256 x 256, instructions to EXIT of the
+    two dq-only launches the models run: 1035 -> 1161 and 1496 -> 1795)."""
+    old = sass_rows(
+        tmp_path / "old.json", "--only", "dq only: both", "--replaced", "e4m3-integer,enc-division"
+    )
+    old, new = {r["case"]: r for r in old}, {r["case"]: r for r in rows}
+    for case in (
+        "nvfp4 dq only: both stochastic + dq (grad_output)",
+        "nvfp4 dq only: both, row dq (forward input)",
+    ):
+        assert old[case]["instructions_to_exit"] > new[case]["instructions_to_exit"] + 100, case
+        # the divisions' reciprocal approximations (MUFU.RCP), one a block and thread again
+        assert old[case]["opcodes"].get("MUFU", 0) > new[case]["opcodes"].get("MUFU", 0), case
+
+
 def test_the_philox_switch_for_ab_timing_takes_effect(rows, tmp_path):
     """`--replaced sr-philox` (benchmarks/replaced.py) must compile the old Philox draw into
     the kernels, or an A/B timing would compare the hash with itself."""
