@@ -34,9 +34,9 @@ import triton.language as tl
 
 from blockscale.kernels._common import (
     e4m3_byte_value,
-    e4m3_code,
     e4m3_code_signed,
-    e4m3_value,
+    e4m3_code_value,
+    e4m3_decode,
 )
 
 
@@ -66,13 +66,12 @@ def _e4m3_round_through_code(w):
 @triton.jit
 def _e4m3_code_value_integer(b, HW: tl.constexpr):
     """The block scale's (code, value) by the integer codec, whatever HW says."""
-    code = e4m3_code(b)
-    return code, e4m3_value(code)
+    return e4m3_code_value(b, False)
 
 
 @triton.jit
 def _e4m3_decode_integer(code, HW: tl.constexpr):
-    return e4m3_value(code)
+    return e4m3_decode(code, False)
 
 
 def _e4m3_integer() -> None:

@@ -242,6 +242,13 @@ def _dq_scale_bits(sval, neg, SR: tl.constexpr):
 
 
 @triton.jit
+def _encode_multiplier(sval, s_dec):
+    """A block's encode multiplier from its scale value: 1 / (scale * S_dec), IEEE division,
+    capped at FLT_MAX (a zero scale gives FLT_MAX, a NaN one NaN)."""
+    return min_keep_nan(tl.math.div_rn(tl.full(sval.shape, 1.0, tl.float32), sval * s_dec), FLT_MAX)
+
+
+@triton.jit
 def _quantize_tile(
     v, s_dec, mult, u, R: tl.constexpr, C: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr,
     DQ: tl.constexpr, HW: tl.constexpr = False, TABLE: tl.constexpr = False,
@@ -257,14 +264,10 @@ def _quantize_tile(
     b = min_keep_nan(block_amax * mult, 448.0)
     scode, sval = e4m3_code_value(b, HW)
     if TABLE:  # (s_dec one scalar: the block scales' 128 reciprocals, one a thread)
-        codes = tl.arange(0, 128)
-        table = min_keep_nan(
-            tl.math.div_rn(tl.full([128], 1.0, tl.float32), e4m3_decode(codes, HW) * s_dec),
-            FLT_MAX,
-        )
+        table = _encode_multiplier(e4m3_decode(tl.arange(0, 128), HW), s_dec)
         enc = tl.reshape(tl.gather(table, tl.reshape(scode, [R * NB]), 0), [R, NB])
     else:
-        enc = min_keep_nan(tl.math.div_rn(tl.full([R, NB], 1.0, tl.float32), sval * s_dec), FLT_MAX)
+        enc = _encode_multiplier(sval, s_dec)
     w = vb * enc[:, :, None]
     neg = w < 0.0
     if DQ:
