@@ -323,6 +323,34 @@ def test_output_dtypes_follow_input_and_autocast():
     assert xf.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8", "nvfp4_fwd_mxfp8_bwd"])
+def test_fp32_input_under_autocast_is_quantized_from_its_autocast_cast(name, monkeypatch):
+    """Under BF16 autocast an FP32 input gives the bits of its BF16 cast, as autocast's
+    F.linear computes on that cast: output, grad_weight, and grad_input (the BF16 one widened).
+    With CAST_INPUT_UNDER_AUTOCAST off the FP32 values are quantized and the bits differ."""
+    ops_linear = importlib.import_module("blockscale.ops.linear")  # the module, not linear()
+    x, w, b, go = make_inputs((4, 8), 64, 32)
+    r = recipes.get(name, stochastic_rounding=False) if name == "nvfp4" else recipes.get(name)
+
+    def step(inp):
+        inp = inp.clone().requires_grad_(True)
+        wt = w.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = linear(inp, wt, b, r)
+        y.backward(go.bfloat16())
+        return y, inp.grad, wt.grad
+
+    y32, gx32, gw32 = step(x)
+    y16, gx16, gw16 = step(x.bfloat16())
+    assert y32.dtype == torch.bfloat16 and gx32.dtype == torch.float32
+    assert torch.equal(y32, y16) and torch.equal(gw32, gw16)
+    assert torch.equal(gx32, gx16.float())
+    monkeypatch.setattr(ops_linear, "CAST_INPUT_UNDER_AUTOCAST", False)
+    y_own, gx_own, gw_own = step(x)
+    assert gx_own.dtype == torch.float32
+    assert not torch.equal(y_own, y32) and not torch.equal(gw_own, gw32)
+
+
 def test_bf16_input_matches_reference_after_one_rounding():
     # BF16 in and out: the GEMM result is the FP32 result rounded once to BF16, so it lies
     # within the BF16 unit roundoff (2^-8 relative) of the reference plus the FP32 bound.

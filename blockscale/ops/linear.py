@@ -70,9 +70,15 @@ operands), so this is exact; the static dims (K, N) must fit the blocks, which
 
 Dtypes: the output has the autocast dtype when autocast is on for the input's device, else the
 input's dtype; grad_input has the input's dtype, grad_weight the weight's (FP32 master weights
-get an FP32 grad_weight straight from the FP32 accumulator). Operands are quantized from the
-dtype they arrive in (an FP32 weight is not rounded to BF16 first). Autocast is off inside the
-Function so that it cannot recast the exact emulated operands.
+get an FP32 grad_weight straight from the FP32 accumulator). Under autocast the input is
+quantized from its cast to the autocast dtype, the values autocast's `F.linear` would compute
+on (TransformerEngine's layers cast their input to the autocast dtype too); grad_input is then
+made in that dtype and widened, as the cast's backward widens it (`CAST_INPUT_UNDER_AUTOCAST`;
+an FP32-master model's norm outputs are FP32, and compiled, the cast is Inductor's to fuse into
+the norm, so the quantize passes read half the bytes: no change in the 1B step's time was
+measured, docs/MODELS.md, "The input's autocast cast"). The weight is quantized from
+the dtype it arrives in (an FP32 master is not rounded to BF16 first). Autocast is off inside
+the Function so that it cannot recast the exact emulated operands.
 
 Randomness: stochastic rounding draws from PyTorch's default generator in a fixed order
 (grad_output for dgrad, then grad_output_t for wgrad), so `torch.manual_seed` reproduces a
@@ -419,14 +425,16 @@ def _shareable(*configs: OperandConfig | None) -> bool:
 def _quantized_input(
     input: torch.Tensor,
     x: torch.Tensor,
+    dtype: torch.dtype,
     row_cfg: OperandConfig,
     wgrad_cfg: OperandConfig | None,
     x_amax: torch.Tensor | None,
     tokens_amax: torch.Tensor | None,
     codes: bool = True,
 ) -> tuple:
-    """(input_lp, input_t) of `x` (input flattened), reused from the previous forward when it
-    quantized the same unmodified tensor the same way (`codes`: quantize_rows_and_tokens')."""
+    """(input_lp, input_t) of `x` (input flattened) cast to `dtype`, reused from the previous
+    forward when it quantized the same unmodified input the same way (`codes`:
+    quantize_rows_and_tokens'). The cast is made only where a quantization is."""
     if (
         not _shareable(row_cfg, wgrad_cfg)
         or x_amax is not None
@@ -434,12 +442,12 @@ def _quantized_input(
         or input.is_inference()  # no version counter to tell an in-place change by
     ):
         return quantize_rows_and_tokens(
-            x, row_cfg, wgrad_cfg, row_amax=x_amax, tokens_amax=tokens_amax, codes=codes
+            x.to(dtype), row_cfg, wgrad_cfg, row_amax=x_amax, tokens_amax=tokens_amax, codes=codes
         )
-    key = (row_cfg, wgrad_cfg, codes)  # the same tensor has the same shape
+    key = (row_cfg, wgrad_cfg, codes, dtype)  # the same tensor has the same shape
     found = _SHARED.get(input, key)
     if found is None:
-        found = quantize_rows_and_tokens(x, row_cfg, wgrad_cfg, codes=codes)
+        found = quantize_rows_and_tokens(x.to(dtype), row_cfg, wgrad_cfg, codes=codes)
         _SHARED.put(input, key, found)
     return found
 
@@ -473,6 +481,9 @@ class _Linear(torch.autograd.Function):
     ) -> torch.Tensor:
         lead, k = input.shape[:-1], input.shape[-1]
         x = input.reshape(-1, k)
+        # Under autocast, the autocast dtype's values of the input (module docstring, "Dtypes"):
+        # traced, the cast is one more op for Inductor to fuse into the input's producer.
+        ctx.cast_dtype = quantized_input_dtype(input, out_dtype)
         with autocast_off(input.device.type):
             wgrad_cfg = recipe.grad_weight.input_t if ctx.needs_input_grad[1] else None
             dgrad_cfg = recipe.grad_input.weight
@@ -482,6 +493,7 @@ class _Linear(torch.autograd.Function):
             if sharded is not None:
                 local: list[torch.Tensor | None] = [None, None, None]
                 if sharded.input:
+                    x = x.to(ctx.cast_dtype)  # (then the quantization's cast is a no-op)
                     local[:2] = rows_and_tokens_amax(x, recipe.output.input, wgrad_cfg)
                 if sharded.weight and not holds_quantized_copies(weight):
                     # Both weight copies scale with max |w|: a recipe puts no Hadamard
@@ -492,7 +504,7 @@ class _Linear(torch.autograd.Function):
                 x_amax, tokens_amax, w_amax = _reduced(sharded, local)
             # an emulated GEMM reads only the row copy's `_dq` (the token copy is saved packed)
             x_lp, input_t = _quantized_input(
-                input, x, recipe.output.input, wgrad_cfg, x_amax, tokens_amax,
+                input, x, ctx.cast_dtype, recipe.output.input, wgrad_cfg, x_amax, tokens_amax,
                 codes=activation_codes(backend),
             )  # fmt: skip
             w_cfg = recipe.output.weight
@@ -568,8 +580,9 @@ class _Linear(torch.autograd.Function):
                         weight_t = load_operand(saved[:n], ctx.weight_meta)
                     elif ctx.shared:
                         weight_t = Transposed(weight_t)  # type: ignore[arg-type]
-                grad_input = _mm(go_lp, weight_t, ctx.input_dtype, ctx.compute_dtype, ctx.backend)
-                grad_input = grad_input.reshape(ctx.input_shape)
+                # in the dtype the forward cast the input to, then as a cast's backward would
+                grad_input = _mm(go_lp, weight_t, ctx.cast_dtype, ctx.compute_dtype, ctx.backend)
+                grad_input = grad_input.reshape(ctx.input_shape).to(ctx.input_dtype)
                 # Release grad_output's `_dq` operand and the weight's before grad_weight
                 # builds its own two: the step's peak memory is set here.
                 del go_lp, weight_t
@@ -586,6 +599,21 @@ def is_dtensor(t: torch.Tensor) -> bool:
     no DTensor exists before it is imported."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
+
+
+# Whether a floating input under autocast is quantized from its cast to the autocast dtype, as
+# autocast's F.linear computes on that cast (module docstring, "Dtypes"); False: from its own
+# dtype (an FP32 input's own values, as before 2026-12-03).
+CAST_INPUT_UNDER_AUTOCAST = True
+
+
+def quantized_input_dtype(input: torch.Tensor, out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype `linear` quantizes `input` from, given the dtype it returns (`output_dtype`:
+    the autocast dtype when autocast is on): that dtype for a floating input under autocast
+    (`CAST_INPUT_UNDER_AUTOCAST`), else the input's own."""
+    if CAST_INPUT_UNDER_AUTOCAST and input.is_floating_point() and out_dtype != input.dtype:
+        return out_dtype
+    return input.dtype
 
 
 def output_dtype(input: torch.Tensor) -> torch.dtype:
