@@ -511,6 +511,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-shared-input", action="store_true",
                         help="quantize every layer's input on its own (ops/linear.py's "
                              "SHARE_INPUT_QUANTIZATION off: q/k/v and gate/up each quantize it)")  # fmt: skip
+    parser.add_argument("--no-input-cast", action="store_true",
+                        help="under autocast, quantize an FP32 input from its own values "
+                             "(ops/linear.py's CAST_INPUT_UNDER_AUTOCAST off, as before "
+                             "2026-12-03) instead of from its BF16 cast")  # fmt: skip
     parser.add_argument("--no-recompute-weight", action="store_true",
                         help="save each weight's packed dgrad copy for backward (ops/linear.py's "
                              "RECOMPUTE_WEIGHT off) instead of quantizing it again there")  # fmt: skip
@@ -560,6 +564,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ops_linear = importlib.import_module("blockscale.ops.linear")
     ops_linear.SHARE_INPUT_QUANTIZATION = not args.no_shared_input
     ops_linear.RECOMPUTE_WEIGHT = not args.no_recompute_weight
+    ops_linear.CAST_INPUT_UNDER_AUTOCAST = not args.no_input_cast
     dispatch = importlib.import_module("blockscale.gemm.dispatch")
     dispatch.CUBLAS_BF16_OUT = not args.no_cublas_bf16_out
     set_activation_codes(args.activation_codes)
@@ -585,6 +590,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                               "inline_triton": args.inline_triton,
                               "shared_input": not args.no_shared_input,
                               "recompute_weight": not args.no_recompute_weight,
+                              "input_cast": not args.no_input_cast,
                               "cublas_bf16_out": dispatch.CUBLAS_BF16_OUT,
                               "fp32_fused_max_k": dispatch.FUSED_FP32_MAX_K,
                               "replaced": args.replaced, "tiles": args.tiles, "band": tiles.band(),
