@@ -6,8 +6,8 @@ builds bench_model.py's model and step three times in one process: BF16, and the
 compiled once with the switch at its default and once flipped (the switch is read while
 the graph is traced, so each compiled model keeps its setting), then times them in
 alternating rounds, so that clock and thermal drift fall on every variant alike. Each round
-times `--steps` steps of each model after one untimed step; the table gives each variant's
-median over rounds and its ratio to BF16's. Peak memory is not measured here: three models
+times `--steps` steps of each model after one untimed step (harness.time_fn: their median);
+the table gives each variant's median over rounds and its ratio to BF16's. Peak memory is not measured here: three models
 share the process (bench_model.py measures it, one model a process).
 
     python benchmarks/research/switch_ab.py --model llama-1b --recipe nvfp4 \\
@@ -42,17 +42,6 @@ def parse_switch(text: str) -> tuple[Any, str]:
     if not isinstance(getattr(module, attr, None), bool):
         raise SystemExit(f"{module_name}.{attr} is not a boolean switch")
     return module, attr
-
-
-def timed_ms(step: Any, batch: torch.Tensor, steps: int, device: torch.device) -> float:
-    """Mean milliseconds a step over `steps` steps, after one untimed step."""
-    step(batch)
-    harness.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step(batch)
-    harness.synchronize(device)
-    return (time.perf_counter() - t0) * 1e3 / steps
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -94,7 +83,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             step(batch)  # compiles under this variant's setting
             harness.synchronize(device)
             print(f"  {name}: first step {time.perf_counter() - t0:.1f} s", flush=True)
-            variants.append((name, lambda s=step, b=batch: timed_ms(s, b, args.steps, device)))
+            variants.append((name, lambda s=step, b=batch: harness.time_fn(
+                s, [(b,)], warmup=1, reps=args.steps, device=device).median_ms))  # fmt: skip
         times: dict[str, list[float]] = {name: [] for name, _ in variants}
         for r in range(args.rounds):
             # the same variant always first, or last, would take any drift within a round
