@@ -27,7 +27,9 @@ recipe never reaches a GEMM:
 - the Hadamard transform is used on the grad_weight operands only, on both or on neither
   (it cancels in the product only when both operands carry it);
 - MXFP8 rounds to nearest (its power-of-two scales leave no room for a stochastic variant in
-  `formats/`), BF16 takes no block, rounding or transform.
+  `formats/`), BF16 takes no block, rounding or transform;
+- a switch (`hadamard`, `weight_2d`, ...) is a bool, Python's or numpy's (`require_bool`, which
+  the switches above recipes use too): the string "False" would read as true.
 
 Why dataclasses and not flags: a recipe is compared, hashed, printed in logs and reports, and
 passed through `torch.compile` as a constant; a frozen dataclass does all of that for free.
@@ -61,6 +63,7 @@ __all__ = [
     "names",
     "nvfp4",
     "nvfp4_fwd_mxfp8_bwd",
+    "require_bool",
     "require_recipe",
 ]
 
@@ -107,6 +110,27 @@ def _enum(kind: type[Enum], value: object, what: str) -> Enum:
         raise ValueError(f"{what}={value!r} is not one of {allowed}") from None
 
 
+def require_bool(name: str, value: object) -> bool:
+    """`value` as a Python bool, for the switch `name`; a TypeError for anything else.
+
+    A switch read by truth would take the string "False" (or None, 0, 1, a tensor) for an
+    answer nobody gave. numpy's bool (`np.bool_`, what a numpy comparison gives) has only the
+    two values and is taken; it comes back as Python's, so recipes compare, hash and print as
+    before. A tensor is refused: it may hold many values, or one on a GPU (a host sync).
+
+    >>> bs.recipes.require_bool("weight_2d", "False")
+    Traceback (most recent call last):
+        ...
+    TypeError: weight_2d='False' is a str, not a bool
+    """
+    if isinstance(value, bool):
+        return value
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool"):
+        return bool(value)
+    raise TypeError(f"{name}={value!r} is a {kind.__name__}, not a bool")
+
+
 @dataclass(frozen=True)
 class OperandConfig:
     """How one GEMM operand is quantized: format, block shape, rounding, Hadamard transform.
@@ -130,6 +154,7 @@ class OperandConfig:
         rounding = _enum(Rounding, self.rounding, "rounding")
         object.__setattr__(self, "format", fmt)
         object.__setattr__(self, "rounding", rounding)
+        object.__setattr__(self, "hadamard", require_bool("hadamard", self.hadamard))
         block = self.block
         if block is None and fmt is not Format.BF16:
             block = _BLOCKS[fmt][0]
@@ -345,7 +370,9 @@ def nvfp4(
     >>> r.grad_weight.input_t.describe()
     'nvfp4 1x16, nearest'
     """
-    wblock = "16x16" if weight_2d else "1x16"
+    hadamard = require_bool("hadamard", hadamard)
+    stochastic_rounding = require_bool("stochastic_rounding", stochastic_rounding)
+    wblock = "16x16" if require_bool("weight_2d", weight_2d) else "1x16"
     return Recipe(
         "nvfp4",
         OutputGemm(input=_nvfp4_op(), weight=_nvfp4_op(wblock)),
@@ -368,9 +395,10 @@ def nvfp4_fwd_mxfp8_bwd(weight_2d: bool = True) -> Recipe:
     >>> r.output.weight.describe(), r.grad_input.weight.describe()
     ('nvfp4 16x16, nearest', 'mxfp8 1x32, nearest')
     """
+    wblock = "16x16" if require_bool("weight_2d", weight_2d) else "1x16"
     return Recipe(
         "nvfp4_fwd_mxfp8_bwd",
-        OutputGemm(input=_nvfp4_op(), weight=_nvfp4_op("16x16" if weight_2d else "1x16")),
+        OutputGemm(input=_nvfp4_op(), weight=_nvfp4_op(wblock)),
         GradInputGemm(grad_output=_MXFP8, weight=_MXFP8),
         GradWeightGemm(grad_output_t=_MXFP8, input_t=_MXFP8),
     )

@@ -1,6 +1,7 @@
 """Recipes: the named table of NUMERICS.md, switches, and the rules checked at construction."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -125,3 +126,37 @@ def test_gemm_rules(build, message):
 def test_custom_recipe_with_bf16_backward_is_valid():
     r = Recipe("fwd_only", recipes.OutputGemm(NV, NV_2D))
     assert r.quantized and not r.grad_input.grad_output.quantized
+
+
+@pytest.mark.parametrize(
+    ("name", "switch"),
+    [
+        ("nvfp4", "hadamard"),
+        ("nvfp4", "stochastic_rounding"),
+        ("nvfp4", "weight_2d"),
+        ("nvfp4_fwd_mxfp8_bwd", "weight_2d"),
+    ],
+)
+@pytest.mark.parametrize("value", ["False", None, 0, 1])
+def test_recipe_switches_must_be_bools(name, switch, value):
+    """weight_2d="False" is a truthy string: it built the 16x16 recipe (issue 60, case 5)."""
+    message = re.escape(f"{switch}={value!r} is a {type(value).__name__}, not a bool")
+    with pytest.raises(TypeError, match=message):
+        recipes.get(name, **{switch: value})
+    with pytest.raises(TypeError, match=message):
+        getattr(recipes, name)(**{switch: value})
+
+
+def test_operand_hadamard_must_be_a_bool():
+    with pytest.raises(TypeError, match="hadamard='False' is a str, not a bool"):
+        OperandConfig("nvfp4", hadamard="False")
+
+
+def test_numpy_bools_are_switches_and_come_back_as_python_bools():
+    """A numpy comparison gives np.bool_: two values, no other reading."""
+    np = pytest.importorskip("numpy")
+    r = recipes.get("nvfp4", hadamard=np.False_, weight_2d=np.bool_(False))
+    assert r == recipes.get("nvfp4", hadamard=False, weight_2d=False)
+    operand = OperandConfig("nvfp4", hadamard=np.True_)
+    assert type(operand.hadamard) is bool and operand == OperandConfig("nvfp4", hadamard=True)
+    assert recipes.require_bool("x", np.True_) is True
