@@ -435,8 +435,8 @@ def _cache_worker(rank: int, world_size: int) -> None:
                 torch.manual_seed(0)
                 model = build_model(cfg).to(device)
                 bs.convert(model, RECIPES[name])
-                if not cached:
-                    bs.nn.set_weight_cache(model, False)
+                # across micro-batches: the opt-in scope (ops/weight_cache.py), the CLI's
+                bs.nn.set_weight_cache(model, cached, scope="step")
                 enable_quantized_all_gather(model)
                 _shard(model, list(model.layers), mp=True)
                 models.append(model)

@@ -652,6 +652,156 @@ def test_transposed_experts_is_exact():
     torch.testing.assert_close(t.dq(torch.float32), ref.float(), atol=0, rtol=0)
 
 
+# ------------------------------------------------------------------ second derivatives
+#
+# As tests/test_linear.py checks linear's: plain torch autograd in FP64 on the dequantized
+# operands, expert by expert (each quantized as a per-expert linear would, which the tests
+# above show grouped_mm does), every quantizer straight-through. Tolerance: a chain of FP32
+# products with contraction lengths n1 + n2 + ... is within gamma_{n1+n2+...} of the exact
+# chain times the chain on absolute values (the reference run again on |values|).
+
+SECOND_ORDER_GROUPS = ([44, 0, 1, 117, 28], 10)  # an empty expert and rows past offs[-1]
+# every recipe on the CPU reference path; the kernel path (Triton's interpreter) for one
+# recipe of each format (NVFP4 with its 16x16 and Hadamard operands), as it is slow there
+SECOND_ORDER_CASES = [(name, "reference") for name in RECIPES] + [
+    ("nvfp4", "kernels"),
+    ("mxfp8", "kernels"),
+]
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, value, source):
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad
+
+
+def _values(x, cfg, transpose=False):
+    """FP32 values of x quantized per `cfg` by formats/ (one expert's tensor)."""
+    if cfg.format == "nvfp4":
+        q = G.nvfp4.quantize(x, block=cfg.block, rounding=cfg.rounding.value,
+                             hadamard=cfg.hadamard, transpose=transpose)  # fmt: skip
+    else:
+        q = G.mxfp8.quantize(x, transpose=transpose)
+    return q.dequantize(torch.float32).double()
+
+
+def _expert_rows(offs):
+    ends = offs.tolist()
+    return [(e, s, t) for e, (s, t) in enumerate(zip([0, *ends[:-1]], ends)) if t > s]
+
+
+def _assert_within_chain(got, reference, n, name):
+    exact, magnitude = reference(lambda t: t), reference(torch.abs)
+    gamma = n * 2.0**-24 / (1 - n * 2.0**-24)
+    worst = ((got.double() - exact).abs() - gamma * magnitude).max().item()
+    assert worst <= 0, f"{name}: error exceeds gamma_{n} by {worst:.3g}"
+    assert got.abs().max() > 0, f"{name} is zero"
+
+
+@pytest.mark.parametrize(("name", "path"), SECOND_ORDER_CASES)
+def test_gradient_penalty_second_derivatives(name, path, monkeypatch):
+    """|d out / d x|^2 (grad_outputs v, which requires grad) reaches the expert weights and v
+    through grad_input = G_e @ W_e (before: the gradient needed no grad at all). The kernel
+    path (Triton's interpreter here) reads operands written as their `_dq` alone, or packed."""
+    recipe = RECIPES[name]
+    if path == "kernels":
+        _kernels_on(monkeypatch)
+    x, w, v, offs = _data(*SECOND_ORDER_GROUPS)
+    for t in (x, w, v):
+        t.requires_grad_(True)
+    out = bs.grouped_mm(x, w.transpose(-2, -1), offs, recipe)
+    (g,) = torch.autograd.grad(out, x, grad_outputs=v, create_graph=True)
+    g.pow(2).sum().backward()
+    seed = 2 * g.detach().double()
+    cfg_w = recipe.grad_input.weight
+
+    def reference(f):
+        w_ref, v_ref = (t.detach().double().requires_grad_(True) for t in (w, v))
+        outs, seeds = [], []
+        for e, s, t in _expert_rows(offs):
+            we = w[e].detach()
+            wq = _values(we, cfg_w) if cfg_w.block == "16x16" else _values(we, cfg_w, True).t()
+            wq = _StraightThrough.apply(f(wq), w_ref[e])
+            ge = _values(v[s:t].detach(), recipe.grad_input.grad_output)
+            outs.append(_StraightThrough.apply(f(ge), v_ref[s:t]) @ wq)
+            seeds.append(f(seed[s:t]))
+        return torch.autograd.grad(outs, (w_ref, v_ref), grad_outputs=seeds)
+
+    m, k = x.shape
+    _assert_within_chain(w.grad, lambda f: reference(f)[0], m + k, "expert weights")
+    _assert_within_chain(v.grad, lambda f: reference(f)[1], m + k, "grad_output")
+
+
+@pytest.mark.parametrize(("name", "path"), SECOND_ORDER_CASES)
+def test_weight_gradient_penalty_second_derivative(name, path, monkeypatch):
+    """|d out / d W|^2 for an input that needs no grad reaches v through grad_weight's
+    derivative with respect to grad_output (through the Hadamard transform in nvfp4)."""
+    recipe = RECIPES[name]
+    if path == "kernels":
+        _kernels_on(monkeypatch)
+    x, w, v, offs = _data(*SECOND_ORDER_GROUPS)
+    w.requires_grad_(True)
+    v.requires_grad_(True)
+    out = bs.grouped_mm(x, w.transpose(-2, -1), offs, recipe)
+    (gw,) = torch.autograd.grad(out, w, grad_outputs=v, create_graph=True)
+    gw.pow(2).sum().backward()
+    seed = 2 * gw.detach().double()
+    cfg_x, cfg_g = recipe.grad_weight.input_t, recipe.grad_weight.grad_output_t
+    h = bs.hadamard.matrix(dtype=torch.float64)
+
+    def pad(t, block):
+        return torch.nn.functional.pad(t, (0, 0, 0, -t.shape[0] % block))
+
+    def reference(f):
+        v_ref = v.detach().double().requires_grad_(True)
+        outs, seeds = [], []
+        for e, s, t in _expert_rows(offs):
+            x_t = _values(pad(x[s:t], cfg_x.block_size), cfg_x, transpose=True)  # [K, M_e']
+            go_t = pad(v_ref[s:t], cfg_g.block_size).t()
+            if cfg_g.hadamard:  # the token copy approximates the transform of go_t
+                go_t = (go_t.unflatten(-1, (-1, 16)) @ f(h)).flatten(-2)
+            outs.append(go_t @ f(x_t).t())
+            seeds.append(f(seed[e]))
+        return torch.autograd.grad(outs, v_ref, grad_outputs=seeds)[0]
+
+    _assert_within_chain(v.grad, reference, x.shape[1] + 16, "grad_output")
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8"])
+def test_create_graph_keeps_the_first_derivatives_bit_for_bit(name):
+    x, w, v, offs = _data(*SECOND_ORDER_GROUPS)
+    results = []
+    for create_graph in (False, True):
+        xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = bs.grouped_mm(xr, wr.transpose(-2, -1), offs, RECIPES[name])
+        out.backward(v, create_graph=create_graph)
+        results.append((xr.grad, wr.grad))
+    (gx, gw), (gx_graph, gw_graph) = results
+    assert torch.equal(gx, gx_graph) and torch.equal(gw, gw_graph)
+    assert gx_graph.requires_grad and gw_graph.requires_grad
+
+
+def test_second_derivatives_that_cannot_be_given_raise():
+    x, w, v, offs = _data(*SECOND_ORDER_GROUPS)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    recipe = RECIPES["nvfp4"]
+    # d grad_weight / d input: the input is not kept for backward
+    out = bs.grouped_mm(x, w.transpose(-2, -1), offs, recipe)
+    (gw,) = torch.autograd.grad(out, w, grad_outputs=v, create_graph=True)
+    with pytest.raises(NotImplementedError, match="does not keep the input"):
+        gw.pow(2).sum().backward()
+    # d grad_input / d weight for weights computed in the forward: only their copy is saved
+    out = bs.grouped_mm(x, (w * 1.0).transpose(-2, -1), offs, recipe)
+    (g,) = torch.autograd.grad(out, x, grad_outputs=v, create_graph=True)
+    with pytest.raises(NotImplementedError, match="saved only the weight's quantized copy"):
+        g.pow(2).sum().backward()
+
+
 # ----------------------------------------------------------------------------- GPU
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -17,6 +17,7 @@ rounds nothing before its final comparison (FP64 products and sums of these oper
 exact up to 2^-53 relative, far below u).
 """
 
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -27,8 +28,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import blockscale
 from blockscale import recipes
-from blockscale.formats import mxfp8, nvfp4
+from blockscale.formats import hadamard, mxfp8, nvfp4
 from blockscale.ops import linear, quantize_operand
 from blockscale.ops.quantize import HighPrecisionTensor
 
@@ -436,6 +438,181 @@ def test_bench_linear_quick_smoke(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["recipe"] for r in rows] == ["bf16", "nvfp4", "nvfp4_fwd_mxfp8_bwd", "mxfp8"]
     assert rows[0]["time_vs_bf16"] == 1.0 and all(r["ms"] > 0 for r in rows)
+
+
+# ------------------------------------------------------------------ second derivatives
+#
+# A backward under create_graph=True is differentiable, with the quantizers straight-through
+# (ops/linear.py, "Second derivatives"). The reference below is plain torch autograd in FP64
+# on the dequantized operands the GEMMs read (grad_output's copies recorded from the step,
+# the weight's and the input's rebuilt with formats/), each passing its gradient straight to
+# the tensor it approximates (`StraightThrough`).
+#
+# Tolerance. linear's second derivatives are FP32 GEMMs on those exact FP32 values, chained
+# (e.g. dW2 = G2.T @ (relu_mask * (seed @ W1q))): a chain of products with contraction
+# lengths n1, n2, ... computed in FP32 in any order is within gamma_{n1+n2+...} of the exact
+# chain times the same chain on absolute values (|A||B|...; masks and the exact factor 2 of
+# the seed change nothing), u = 2^-24. The magnitude is that chain: the reference run again
+# on absolute values. FP64's own rounding (2^-53 relative) is far below the bound.
+
+
+class StraightThrough(torch.autograd.Function):
+    """`value` forward; the gradient passes unchanged to `source` (what value approximates)."""
+
+    @staticmethod
+    def forward(ctx, value, source):
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad
+
+
+def gamma(n):
+    return n * U32 / (1 - n * U32)
+
+
+def dgrad_weight_values(w, recipe):
+    """[N, K] FP32 values of grad_input's weight operand: the 16x16 copy, or the copy along N."""
+    cfg = recipe.grad_input.weight
+    if cfg.block == "16x16":
+        return ref_quantize(w.detach(), cfg).dequantize(torch.float32)
+    return ref_quantize(w.detach(), cfg, transpose=True).dequantize(torch.float32).t()
+
+
+def grad_output_rows(recorder, recipe):
+    """The values of the grad_output copies quantized for grad_input, in backward order."""
+    cfg = recipe.grad_input.grad_output
+    return [r.dequantize(torch.float32) for c, t, r in recorder.calls if c == cfg and not t]
+
+
+def two_layer_model(name):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 32))
+    blockscale.convert(model, recipes.get(name))
+    x = torch.randn(2, 12, 64)  # 24 tokens: the token copies are zero-padded
+    return model, x
+
+
+def assert_within_chain(got, exact, magnitude, n, name):
+    err = (got.double() - exact).abs()
+    worst = (err - gamma(n) * magnitude).max().item()
+    assert worst <= 0, f"{name}: error exceeds gamma_{n} by {worst:.3g}"
+    assert got.abs().max() > 0, f"{name} is zero"
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_gradient_penalty_reaches_the_weights(name, monkeypatch):
+    """g = d out.sum() / dx with create_graph, then |g|^2 backward: both weights get the
+    straight-through second derivative (before: exactly zero, or g needed no grad)."""
+    model, x = two_layer_model(name)
+    recipe = recipes.get(name)
+    x.requires_grad_(True)
+    h1 = model[0](x)
+    out = model[2](model[1](h1))
+    recorder = Recorder(monkeypatch)
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    g2, g1 = grad_output_rows(recorder, recipe)  # layer 2's backward runs first
+    g.pow(2).sum().backward()
+    w1, w2 = model[0].weight, model[2].weight
+    mask = (h1 > 0).reshape(-1, 96).double()
+    seed = 2 * g.detach().reshape(-1, 64).double()  # the gradient of |g|^2 with respect to g
+
+    def reference(f):
+        leaves = [w.detach().double().requires_grad_(True) for w in (w1, w2)]
+        w1q, w2q = (
+            StraightThrough.apply(f(dgrad_weight_values(w, recipe).double()), leaf)
+            for w, leaf in zip((w1, w2), leaves)
+        )
+        go1 = (f(g2.double()) @ w2q) * mask  # layer 2's grad_input, through ReLU's backward
+        g_ref = StraightThrough.apply(f(g1.double()), go1) @ w1q
+        return torch.autograd.grad(g_ref, leaves, grad_outputs=f(seed))
+
+    exact, magnitude = reference(lambda t: t), reference(torch.abs)
+    m, k = 24, 64
+    assert_within_chain(w1.grad, exact[0], magnitude[0], m + k, "layer 1 weight")
+    assert_within_chain(w2.grad, exact[1], magnitude[1], m + k, "layer 2 weight")
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_weight_gradient_penalty_without_input_grad(name, monkeypatch):
+    """|d out.sum() / d W1|^2 for an input that needs no grad reaches W2 through grad_weight's
+    derivative with respect to grad_output (the token copies, Hadamard-transformed in nvfp4:
+    the transform's backward is applied)."""
+    model, x = two_layer_model(name)
+    recipe = recipes.get(name)
+    h1 = model[0](x)
+    out = model[2](model[1](h1))
+    recorder = Recorder(monkeypatch)
+    (gw1,) = torch.autograd.grad(out.sum(), model[0].weight, create_graph=True)
+    (g2,) = grad_output_rows(recorder, recipe)  # layer 1 makes no grad_input
+    gw1.pow(2).sum().backward()
+    w2 = model[2].weight
+    mask = (h1 > 0).reshape(-1, 96).double()
+    cfg_x, cfg_g = recipe.grad_weight.input_t, recipe.grad_weight.grad_output_t
+    x2 = pad_rows(x.reshape(-1, 64), cfg_x.block_size)
+    x_t = ref_quantize(x2, cfg_x, transpose=True).dequantize(torch.float32).double()  # [K, M']
+    h = hadamard.matrix(dtype=torch.float64)
+    seed = 2 * gw1.detach().double()
+
+    def reference(f):
+        leaf = w2.detach().double().requires_grad_(True)
+        w2q = StraightThrough.apply(f(dgrad_weight_values(w2, recipe).double()), leaf)
+        go1 = (f(g2.double()) @ w2q) * mask
+        go1_t = pad_rows(go1, cfg_g.block_size).t()  # [N, M']
+        if cfg_g.hadamard:  # the token copy approximates the transform of go1_t
+            go1_t = (go1_t.unflatten(-1, (-1, 16)) @ f(h)).flatten(-2)
+        return torch.autograd.grad(go1_t @ f(x_t).t(), leaf, grad_outputs=f(seed))[0]
+
+    # chain: seed @ x_t (K), the transform's backward (16), then G2.T @ (M)
+    assert_within_chain(w2.grad, reference(lambda t: t), reference(torch.abs), 64 + 16 + 24, "W2")
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_create_graph_keeps_the_first_derivatives_bit_for_bit(name):
+    model, x = two_layer_model(name)
+    x.requires_grad_(True)
+    results = []
+    for create_graph in (False, True):
+        for p in [x, *model.parameters()]:
+            p.grad = None
+        torch.manual_seed(5)  # the stochastic rounding draws of the backward
+        model(x).sum().backward(create_graph=create_graph)
+        results.append([p.grad for p in [x, *model.parameters()]])
+    plain, graphed = results
+    assert all(torch.equal(a, b) for a, b in zip(plain, graphed))
+    assert graphed[0].requires_grad  # and the create_graph ones are differentiable
+
+
+def _stochastic_weight_recipe():
+    r = recipes.get("nvfp4", weight_2d=False)
+    sr = recipes.OperandConfig("nvfp4", rounding="stochastic")
+    return dataclasses.replace(r, grad_input=dataclasses.replace(r.grad_input, weight=sr))
+
+
+@pytest.mark.parametrize("case", ["stochastic-weight", "recompute-off", "computed-weight"])
+def test_second_derivative_through_a_packed_weight_raises(case, monkeypatch):
+    """Where the backward has only the weight's packed copy, d grad_input / d weight cannot be
+    given: an error, not a zero (or a result that needs no grad)."""
+    recipe = _stochastic_weight_recipe() if case == "stochastic-weight" else recipes.get("nvfp4")
+    monkeypatch.setattr(ops_linear, "RECOMPUTE_WEIGHT", case != "recompute-off")
+    x, w, _, _ = make_inputs((24,), 64, 32)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    weight = w * 1.0 if case == "computed-weight" else w
+    (g,) = torch.autograd.grad(linear(x, weight, None, recipe).sum(), x, create_graph=True)
+    with pytest.raises(NotImplementedError, match="saved only the weight's quantized copy"):
+        g.pow(2).sum().backward()
+
+
+def test_second_derivative_of_grad_weight_with_respect_to_the_input_raises():
+    x, w, _, _ = make_inputs((24,), 64, 32)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    out = linear(x, w, None, recipes.get("nvfp4"))
+    (gw,) = torch.autograd.grad(out.sum(), w, create_graph=True)
+    with pytest.raises(NotImplementedError, match=r"input \[24, 64\], weight \[32, 64\], nvfp4"):
+        gw.pow(2).sum().backward()
 
 
 # --------------------------------------------------------------------------------- GPU

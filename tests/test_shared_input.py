@@ -8,10 +8,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
+import blockscale as bs
 import blockscale.nn as bsnn
 from blockscale import recipes
 from blockscale.recipes import Rounding
@@ -100,16 +102,68 @@ def test_the_three_layers_save_one_copy_of_the_input(monkeypatch):
     assert separate - shared >= 2 * 2, (shared, separate)
 
 
-def test_a_modified_input_or_another_tensor_is_quantized_again(count):
-    model = converted()
-    x = torch.randn(48, DIM)
-    with torch.no_grad():
-        model.q(x)
-        model.k(x)
+class Probe(QKV):
+    """Within one forward: q and k on x, an in-place change of x, v on it, q on a copy."""
+
+    def forward(self, x):
+        self.q(x)
+        self.k(x)
         x.mul_(2)  # in place: a new version of the same tensor
-        model.v(x)
-        model.q(x.clone())  # equal values, another tensor
+        self.v(x)
+        return self.q(x.clone())  # equal values, another tensor
+
+
+def test_a_modified_input_or_another_tensor_is_quantized_again(count):
+    torch.manual_seed(0)
+    model = bsnn.convert(Probe(), RECIPE)
+    with torch.no_grad():
+        model(torch.randn(48, DIM))
     assert len(count) == 3
+
+
+def test_calls_outside_one_forward_do_not_share(count):
+    """Issue 60, case 2: only the layers of one forward of the converted model share an input
+    (ops/linear.py, "Shared input"). Separate calls do not, whatever happened to the tensor's
+    memory between them, which no version counter shows: a numpy buffer refilled with the next
+    batch, a write through `.data`. On the old code the second call returned the first's
+    output."""
+    torch.manual_seed(0)
+    layer = bsnn.convert(nn.Linear(DIM, DIM), RECIPE)  # a bare layer: the converted one
+    buffer = np.random.default_rng(0).standard_normal((48, DIM)).astype(np.float32)
+    x = torch.from_numpy(buffer)
+    with torch.no_grad():
+        layer(x)
+        buffer[:] = np.random.default_rng(1).standard_normal((48, DIM))  # the next batch
+        assert torch.equal(layer(x), layer(x.clone()))
+        x.data.mul_(-2)
+        assert torch.equal(layer(x), layer(x.clone()))
+        # the functional form, and a converted model's layers called one by one
+        w = torch.randn(DIM, DIM)
+        first = bs.linear(x, w, None, RECIPE)
+        x.data.mul_(-2)
+        assert not torch.equal(bs.linear(x, w, None, RECIPE), first)
+        assert torch.equal(bs.linear(x, w, None, RECIPE), bs.linear(x.clone(), w, None, RECIPE))
+        model = converted()
+        count.clear()
+        model.q(x), model.k(x)
+    assert len(count) == 2
+
+
+def test_inference_then_training_on_one_input():
+    """Issue 60, case 8: a forward under inference_mode, then a training forward on the same
+    input. Its copies are inference tensors, which the training forward cannot save for its
+    backward; on the old code the training forward reused them and raised. Now it runs, with
+    the bits of a fresh input."""
+    model, fresh = converted(), converted()
+    x = torch.randn(48, DIM)
+    with torch.inference_mode():
+        model(x)
+    for m, input in ((model, x), (fresh, x.clone())):
+        out = m(input)  # the very same tensor, as a user passes it
+        out.square().sum().backward()
+    assert torch.equal(out, model(x))
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
 
 
 def test_inference_mode_runs_and_does_not_share(count):

@@ -23,6 +23,7 @@ import dataclasses
 import importlib
 from contextlib import nullcontext
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -88,13 +89,17 @@ class Counter:
         return counted
 
 
-def build(kind: str, recipe, cache: str, params: str) -> nn.Module:
+def build(kind: str, recipe, cache: str, params: str, scope: str = "step") -> nn.Module:
+    """`scope`: the caches' (ops/weight_cache.py); most tests here are of reuse across
+    micro-batches, which only the opt-in "step" scope allows."""
     model = MODELS[kind]()
     bsnn.convert(model, recipe)
     if cache == "off":
         bsnn.set_weight_cache(model, False)
     else:  # "default": copies kept once a step makes one twice; else from the first use
-        bsnn.set_weight_cache(model, True, keep_dq=cache == "dq", from_first_use=cache != "default")
+        bsnn.set_weight_cache(
+            model, True, keep_dq=cache == "dq", from_first_use=cache != "default", scope=scope
+        )
     return model.bfloat16() if params == "bf16" else model
 
 
@@ -612,3 +617,112 @@ def test_gpu_training_with_the_cache_gives_the_uncached_bits(name, kind):
     for cache in ("packed", "dq"):
         for i, (a, b) in enumerate(zip(runs["off"], runs[cache])):
             torch.testing.assert_close(a, b, atol=0, rtol=0, msg=f"{cache} result {i}")
+
+
+# ------------------------------------------------------- the default scope: one forward
+
+
+def sequential() -> nn.Module:
+    torch.manual_seed(0)
+    return bsnn.convert(
+        nn.Sequential(nn.Linear(DIM, 96), nn.ReLU(), nn.Linear(96, DIM)),
+        recipes.get("nvfp4", stochastic_rounding=False),
+    )
+
+
+def hand_written_training(model: nn.Module, steps: int = 30) -> list[torch.Tensor]:
+    """The update loop of many tutorials and of optimizers that are not torch.optim's."""
+    g = torch.Generator().manual_seed(0)
+    x, target = torch.randn(32, DIM, generator=g), torch.randn(32, DIM, generator=g)
+    losses = []
+    for _ in range(steps):
+        loss = (model(x) - target).square().mean()
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data.add_(-0.05 * p.grad)
+        losses.append(loss.detach())
+    return losses
+
+
+def test_a_hand_written_update_loop_trains_on_fresh_weights():
+    """Issue 60, case 1: a `p.data` update, invisible to the version counter and to every
+    optimizer hook, between steps. The default cache reuses a copy only within the forward
+    that made it and its backward, so the losses are those of no cache; on the old code the
+    copies of the first step served every later one (loss 0.0663 against 0.0565 after 30)."""
+    cached, uncached = sequential(), sequential()
+    bsnn.set_weight_cache(uncached, False)
+    got, want = hand_written_training(cached), hand_written_training(uncached)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=f"loss {i}")
+    # the second layer's backward (the first has no grad_input to make) reused its forward's copy
+    assert [c.reused for c in caches(cached)] == [False, True]
+
+
+def rewrite_data(layer: nn.Linear) -> None:
+    layer.weight.data.mul_(-2)
+
+
+def rewrite_numpy(layer: nn.Linear) -> None:
+    layer.weight.detach().numpy()[:] = np.random.default_rng(3).standard_normal((96, DIM))
+
+
+def round_trip(layer: nn.Linear) -> None:
+    layer.half().float()
+
+
+@pytest.mark.parametrize("change", [rewrite_data, rewrite_numpy, round_trip])
+def test_a_weight_change_between_calls_is_never_served_stale(change):
+    """Every change a user can make between two calls, the ones no version counter or hook
+    shows included (a `.data` write, numpy memory shared with the weight, a dtype round trip
+    that may give the storage back at its old address): the next call's output is a fresh
+    quantization's (issue 60, case 1: on the old code off by up to 86)."""
+    model = sequential()
+    bsnn.set_weight_cache(model, True, from_first_use=True)
+    x = torch.randn(8, DIM)
+    with torch.no_grad():
+        model(x)
+        assert len(caches(model)[0]) == 1  # the first layer's copy is held
+        change(model[0])
+        fresh = copy.deepcopy(model)
+        bsnn.set_weight_cache(fresh, False)
+        assert torch.equal(model(x), fresh(x))
+
+
+def test_a_layer_called_twice_in_one_forward_quantizes_its_weight_once(monkeypatch):
+    """Within one forward of the converted model a copy is reused: a layer registered twice
+    (`Sequential(l, act, l)`) quantizes its weight once, and the backward of a 16x16 NVFP4
+    weight reuses the forward's copy."""
+    torch.manual_seed(0)
+    shared = nn.Linear(DIM, DIM)
+    model = bsnn.convert(nn.Sequential(shared, nn.ReLU(), shared), recipes.get("nvfp4"))
+    layer = model[0]
+    bsnn.set_weight_cache(model, True, from_first_use=True)
+    counter = Counter(monkeypatch)
+    x = torch.randn(8, DIM)
+    model(x).square().sum().backward()
+    assert counter.calls == 1
+    counter.calls = 0
+    layer(x)  # a call of its own: a new scope, a new copy
+    assert counter.calls == 1
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8"])
+def test_grad_accumulation_under_the_default_scope_gives_the_uncached_bits(name, monkeypatch):
+    """Micro-batches are separate forwards: under the default scope each makes its copies
+    again (the "step" scope reuses them), with the bits of no cache."""
+    recipe = RECIPES[name]
+    runs = {}
+    for cache in ("off", "packed"):
+        runs[cache] = train(
+            build("dense", recipe, cache, "fp32-autocast", scope="forward"), "fp32-autocast", {}
+        )
+    assert_same(runs["off"], runs["packed"])
+
+
+def test_the_scope_is_checked():
+    with pytest.raises(ValueError, match="scope='steps' is not one of"):
+        bsnn.set_weight_cache(sequential(), True, scope="steps")
+    with pytest.raises(TypeError, match="enabled='False' is a str, not a bool"):
+        bsnn.set_weight_cache(sequential(), "False")

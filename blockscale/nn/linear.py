@@ -17,13 +17,16 @@ primary weights) takes the same call, carried as its inner tensors; any other te
 (a DTensor input or weight) runs `linear` eagerly at a graph break (`_linear_at_a_graph_break`).
 
 Weight cache (ops/weight_cache.py): each layer keeps its weight's quantized copies in
-`weight_cache` until the next optimizer step, so micro-batches and the backward reuse them
-(eager only; compiled graphs quantize as before). By default a cache starts keeping copies
-once a step makes one of them twice (with one micro-batch and two copies, as MXFP8 has, it
-never does, and holds nothing); `from_first_use=True` keeps them from the first use.
+`weight_cache` for reuse within one forward of the model and its backward (a 16x16 NVFP4
+copy serves the backward too; a layer called twice in a forward quantizes once; eager only,
+compiled graphs quantize as before). `set_weight_cache(model, True, scope="step")` keeps them
+across forwards until the next optimizer step (grad accumulation), for loops that change
+weights only through torch.optim optimizers. By default a cache starts keeping copies once a
+forward and its backward make one of them twice (with two copies, as MXFP8 has, that never
+happens, and it holds nothing); `from_first_use=True` keeps them from the first use.
 `set_weight_cache(model, False)` turns it off (`weight_cache = None`), `keep_dq=True` keeps
-the `_dq` operands too; `clear_weight_cache(model)` drops what is held (after a weight change
-the cache cannot see: module docstring there). `load_state_dict` and a new `recipe` clear it.
+the `_dq` operands too; `clear_weight_cache(model)` drops what is held.
+`load_state_dict` and a new `recipe` clear it.
 """
 
 from __future__ import annotations
@@ -33,8 +36,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockscale.ops.linear import RecipeConstant, compiled_linear, holds_quantized_copies, linear
-from blockscale.ops.weight_cache import DEFAULT_FROM_FIRST_USE, DEFAULT_KEEP_DQ, WeightCache
-from blockscale.recipes import Recipe, require_recipe
+from blockscale.ops.weight_cache import (
+    DEFAULT_FROM_FIRST_USE,
+    DEFAULT_KEEP_DQ,
+    DEFAULT_SCOPE,
+    WeightCache,
+)
+from blockscale.recipes import Recipe, require_bool, require_recipe
 
 
 class Linear(nn.Linear):
@@ -55,6 +63,7 @@ class Linear(nn.Linear):
         *,
         recipe: Recipe,
     ) -> None:
+        bias = require_bool("bias", bias)  # nn.Linear reads "False" as a bias wanted
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.weight_cache: WeightCache | None = WeightCache()
         self.recipe = recipe
@@ -113,20 +122,30 @@ def set_weight_cache(
     enabled: bool,
     keep_dq: bool = DEFAULT_KEEP_DQ,
     from_first_use: bool = DEFAULT_FROM_FIRST_USE,
+    scope: str = DEFAULT_SCOPE,
 ) -> int:
     """Give every converted linear and expert weight of `model` a new, empty weight cache
     (`keep_dq`: it keeps the `_dq` operands too; `from_first_use`: it keeps copies from their
     first use, not only once a step has made one twice), or none (enabled=False: each use
     quantizes the weight again). Returns how many modules were set.
 
+    `scope` (ops/weight_cache.py, "How long a copy is valid"): "forward", the default, reuses a
+    copy only within the forward of the model that made it and that forward's backward, which
+    no change of the weight between two calls can make stale. "step" also reuses it in later
+    forwards (grad accumulation's micro-batches) until the next `torch.optim.Optimizer.step`:
+    only for loops in which the weights change through a torch.optim optimizer,
+    `load_state_dict` or in-place ops on the parameters themselves, never through `p.data`,
+    shared numpy memory or an update written by hand (the CLI's loop sets it).
+
     >>> model = bs.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), bs.recipes.get("nvfp4"))
     >>> bs.nn.set_weight_cache(model, False)  # quantize the weight at every use instead
     1
     """
+    enabled = require_bool("enabled", enabled)
     count = 0
     for module in model.modules():
         if hasattr(module, "weight_cache"):
-            module.weight_cache = WeightCache(keep_dq, from_first_use) if enabled else None
+            module.weight_cache = WeightCache(keep_dq, from_first_use, scope) if enabled else None
             count += 1
     return count
 

@@ -50,11 +50,14 @@ weight's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from blockscale._registry import tracing
 from blockscale.formats.grouped import TokenLayout, token_layout
+from blockscale.formats.nvfp4 import NVFP4Tensor, decode_scale
 from blockscale.gemm.dispatch import Backend, activation_codes
 from blockscale.gemm.grouped import (
     Operand,
@@ -71,6 +74,10 @@ from blockscale.ops.linear import (
     dgrad_amax,
     output_dtype,
     recomputes_weight,
+    second_order_anchor,
+    second_order_input_error,
+    second_order_weight_error,
+    undo_hadamard,
 )
 from blockscale.ops.linear import unsupported_reason as linear_unsupported_reason
 from blockscale.ops.quantize import (
@@ -81,7 +88,7 @@ from blockscale.ops.quantize import (
     quantize_grouped,
     save_operand,
 )
-from blockscale.ops.weight_cache import Stamp, WeightCache
+from blockscale.ops.weight_cache import Stamp, WeightCache, enter_forward, exit_forward
 from blockscale.recipes import OperandConfig, Recipe, require_recipe
 
 
@@ -273,43 +280,163 @@ class _GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        recipe: Recipe = ctx.recipe
-        offs, seg_ends, source, group, *saved = ctx.saved_tensors
-        layout = TokenLayout(seg_ends, source, group)
-        n = ctx.n_weight_tensors
-        grad_input = grad_weight_t = None
-        with autocast_off(grad_output.device.type):
-            go_lp, go_t = quantize_grouped(
-                grad_output,
-                offs,
-                layout,
-                recipe.grad_input.grad_output if ctx.needs_input_grad[0] else None,
-                recipe.grad_weight.grad_output_t if ctx.needs_input_grad[1] else None,
-                tokens_dq=True,
-                codes=ctx.codes,
-            )
-            if ctx.needs_input_grad[0]:
-                if ctx.recompute:
-                    amax = saved[1] if n == 2 else None
-                    weight_t = _dgrad_weight(
-                        saved[0], recipe, ctx.shared, amax, ctx.cache, ctx.stamp, ctx.codes
-                    )
-                else:
-                    weight_t = cached_dgrad_weight(ctx.cache, ctx.stamp, recipe, ctx.shared)
-                    if weight_t is None:
-                        weight_t = load_operand(saved[:n], ctx.weight_meta)
-                    elif ctx.shared:
-                        weight_t = TransposedExperts(weight_t)  # type: ignore[arg-type]
-                grad_input = grouped_mm_rows(go_lp, weight_t, offs, ctx.input_dtype, ctx.backend)
-                del go_lp, weight_t
-            if ctx.needs_input_grad[1]:
-                input_t = load_operand(saved[n:], ctx.input_meta)
-                block = recipe.grad_weight.input_t.block_size
-                grad_weight = grouped_mm_tokens(
-                    go_t, input_t, offs, seg_ends, block, ctx.weight_dtype, ctx.backend
+        saved = ctx.saved_tensors
+        if torch.is_grad_enabled() and not tracing():
+            # create_graph=True: the same GEMMs, differentiable (`_GroupedMMBackward`)
+            weight_t = saved[4] if ctx.recompute else None  # (after offs and the layout)
+            anchor = second_order_anchor(ctx, grad_output)
+            grads = _GroupedMMBackward.apply(grad_output, weight_t, anchor, ctx, saved)
+        else:
+            grads = _backward_gemms(ctx, grad_output, saved)
+        return (*grads, None, None, None, None, None, None)
+
+
+def _backward_gemms(
+    ctx: Any,
+    grad_output: torch.Tensor,
+    saved: tuple[torch.Tensor, ...],
+    kept: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(grad_input, grad_weight_t) of `_GroupedMM` from its `ctx` and saved tensors, None
+    where not needed. `kept`: a dict that receives the operands the two GEMMs read
+    (`_GroupedMMBackward`'s second derivative), which are then kept past their GEMM."""
+    recipe: Recipe = ctx.recipe
+    offs, seg_ends, source, group, *saved = saved
+    layout = TokenLayout(seg_ends, source, group)
+    n = ctx.n_weight_tensors
+    grad_input = grad_weight_t = None
+    with autocast_off(grad_output.device.type):
+        go_lp, go_t = quantize_grouped(
+            grad_output,
+            offs,
+            layout,
+            recipe.grad_input.grad_output if ctx.needs_input_grad[0] else None,
+            recipe.grad_weight.grad_output_t if ctx.needs_input_grad[1] else None,
+            tokens_dq=True,
+            codes=ctx.codes,
+        )
+        if ctx.needs_input_grad[0]:
+            if ctx.recompute:
+                amax = saved[1] if n == 2 else None
+                weight_t = _dgrad_weight(
+                    saved[0], recipe, ctx.shared, amax, ctx.cache, ctx.stamp, ctx.codes
                 )
-                grad_weight_t = grad_weight.transpose(-2, -1)
-        return grad_input, grad_weight_t, None, None, None, None, None, None
+            else:
+                weight_t = cached_dgrad_weight(ctx.cache, ctx.stamp, recipe, ctx.shared)
+                if weight_t is None:
+                    weight_t = load_operand(saved[:n], ctx.weight_meta)
+                elif ctx.shared:
+                    weight_t = TransposedExperts(weight_t)  # type: ignore[arg-type]
+            grad_input = grouped_mm_rows(go_lp, weight_t, offs, ctx.input_dtype, ctx.backend)
+            if kept is not None:
+                kept["grad_output"], kept["weight_t"] = go_lp, weight_t
+            del go_lp, weight_t
+        if ctx.needs_input_grad[1]:
+            input_t = load_operand(saved[n:], ctx.input_meta)
+            block = recipe.grad_weight.input_t.block_size
+            grad_weight = grouped_mm_tokens(
+                go_t, input_t, offs, seg_ends, block, ctx.weight_dtype, ctx.backend
+            )
+            grad_weight_t = grad_weight.transpose(-2, -1)
+            if kept is not None:
+                kept["input_t"] = input_t
+    return grad_input, grad_weight_t
+
+
+def _expert_values(op: Any) -> Callable[[int, tuple], torch.Tensor]:
+    """`values(e, part)`: the FP32 values of `part` of a grouped operand (rows, columns or
+    matrices that belong to expert e): its `_dq` there times e's decode scale (NVFP4, whose
+    `amax` holds one per expert; MXFP8 has none)."""
+    dq = op.dq(torch.float32)
+    scales = decode_scale(op.amax) if isinstance(op, NVFP4Tensor | TransposedExperts) else None
+
+    def values(e: int, part: tuple) -> torch.Tensor:
+        return dq[part] if scales is None else dq[part] * scales[e]
+
+    return values
+
+
+class _GroupedMMBackward(torch.autograd.Function):
+    """`_GroupedMM`'s backward as a differentiable op, as ops/linear.py's `_LinearBackward`.
+
+    forward: the plain backward's GEMMs on the same quantized operands (the same bits).
+    backward: per expert e, with the quantizers straight-through, the second derivatives of
+    grad_input_e = G_e @ W_e and grad_weight_e = Gt_e @ Xt_e.T as FP32 GEMMs on the
+    dequantized operands. It loops over the experts with the offsets on the host (one
+    synchronization on CUDA: a path a second derivative alone takes)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        grad_output: torch.Tensor,
+        weight_t: torch.Tensor | None,
+        anchor: torch.Tensor | None,
+        outer: Any,
+        saved: tuple[torch.Tensor, ...],
+    ) -> tuple[torch.Tensor | None, ...]:
+        ctx.set_materialize_grads(False)  # an unused result's gradient stays None
+        kept: dict[str, Any] = {}
+        grads = _backward_gemms(outer, grad_output, saved, kept)
+        ctx.kept, ctx.outer = kept, outer
+        ctx.offs, ctx.seg_ends = saved[0], saved[1]
+        ctx.go_shape, ctx.go_dtype = grad_output.shape, grad_output.dtype
+        ctx.device_type = grad_output.device.type
+        return grads
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_grad_input: torch.Tensor | None, grad_grad_weight_t: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        outer = ctx.outer
+        recipe: Recipe = outer.recipe
+        experts = ctx.offs.shape[0]
+        where = (
+            f"blockscale.grouped_mm ({experts} experts, grad_output {tuple(ctx.go_shape)}, "
+            f"recipe {recipe.name})"
+        )
+        ends = ctx.offs.tolist()
+        rows = list(zip([0, *ends[:-1]], ends))
+        d_go = d_weight_t = None
+        with autocast_off(ctx.device_type):
+            if grad_grad_input is not None:
+                if not ctx.needs_input_grad[1] and outer.needs_input_grad[1]:
+                    raise second_order_weight_error(where, recipe.grad_input.weight)
+                ggi = grad_grad_input.float()
+                w_t = ctx.kept["weight_t"]  # [E, K, N]: grad_input_e = G_e @ w_t[e].T
+                weights = _expert_values(w_t)
+                g = _expert_values(ctx.kept["grad_output"]) if ctx.needs_input_grad[1] else None
+                d_go = ggi.new_zeros(ctx.go_shape)
+                if g is not None:
+                    d_weight_t = ggi.new_zeros(w_t.shape)
+                for e, (start, end) in enumerate(rows):
+                    if end == start:
+                        continue
+                    d_go[start:end] = ggi[start:end] @ weights(e, (e,))
+                    if g is not None:
+                        d_weight_t[e] = ggi[start:end].t() @ g(e, (slice(start, end),))
+                if d_weight_t is not None:
+                    d_weight_t = d_weight_t.to(outer.weight_dtype)
+            if grad_grad_weight_t is not None:
+                if outer.needs_input_grad[0]:
+                    raise second_order_input_error(where)
+                ggw_t = grad_grad_weight_t.float()
+                x_t = _expert_values(ctx.kept["input_t"])  # [K, P]: e's tokens from its
+                # segment's start
+                if d_go is None:
+                    d_go = ggw_t.new_zeros(ctx.go_shape)
+                seg_ends = ctx.seg_ends.tolist()
+                for e, (start, end) in enumerate(rows):
+                    s0, s1 = (seg_ends[e - 1] if e else 0), seg_ends[e]
+                    if end == start:
+                        continue
+                    # grad_weight_e = T(G_e.T) @ Xt_e.T, T the token copy's transform (if any)
+                    d_go_t = ggw_t[e].t() @ x_t(e, (slice(None), slice(s0, s1)))
+                    if recipe.grad_weight.grad_output_t.hadamard:
+                        d_go_t = undo_hadamard(d_go_t)
+                    d_go[start:end] += d_go_t[:, : end - start].t()
+        if d_go is not None:
+            d_go = d_go.to(ctx.go_dtype)
+        return d_go, d_weight_t, None, None, None
 
 
 def grouped_mm(
@@ -351,6 +478,10 @@ def grouped_mm(
     backend = resolve_grouped_backend(recipe.backend, input.device)
     dtype = out_dtype if out_dtype is not None else output_dtype(input)
     # Stamped here, not in the Function: `weight_source` must not become an autograd input.
-    stamp = None if weight_cache is None else weight_cache.stamp(weight_t, weight_source)
-    cache = None if stamp is None else weight_cache
-    return _GroupedMM.apply(input, weight_t, offs, recipe, backend, dtype, cache, stamp)
+    enter_forward()  # a call outside the model's forward scope is a scope of its own
+    try:
+        stamp = None if weight_cache is None else weight_cache.stamp(weight_t, weight_source)
+        cache = None if stamp is None else weight_cache
+        return _GroupedMM.apply(input, weight_t, offs, recipe, backend, dtype, cache, stamp)
+    finally:
+        exit_forward()

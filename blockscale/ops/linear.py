@@ -108,11 +108,29 @@ extra compile time; AOTAutograd runs the same Python at Python speed and records
 so the compiled graph and its bits are unchanged (docs/LOG.md, 2026-11-25).
 `blockscale.nn.Linear` calls it under Dynamo; `linear` called from other traced code is still
 traced by Dynamo.
+
+Second derivatives: a backward under `create_graph=True` (a gradient penalty,
+`torch.autograd.grad(out, x, create_graph=True)`) runs the same GEMMs on the same quantized
+operands, so the first derivatives are the same bits, inside a Function of their own
+(`_LinearBackward`) whose backward differentiates them with every quantizer
+straight-through (formats/straight_through.py): FP32 GEMMs on the dequantized operands the
+backward GEMMs read. grad_input = G @ W gives ggi @ W to grad_output and G.T @ ggi to the
+weight; grad_weight = Gt @ Xt.T gives grad_output the transposed (ggw @ Xt), with the
+Hadamard transform's backward applied where the token copy has it (so that it cancels, as in
+the GEMM); grad_bias gives it ggb on every row. Two terms cannot be given, and raise
+NotImplementedError when a second backward needs them, rather than coming out as zero:
+grad_weight's with respect to the input, which is never saved (only its packed token copy,
+which the graph cannot reach through), and grad_input's with respect to a weight of which only
+the packed copy was saved ("Memory": a stochastically rounded copy, a weight that arrives
+quantized or is computed in the forward, `RECOMPUTE_WEIGHT = False`). A gradient penalty on
+the input's gradient of a converted model with plain weights needs neither. torch.compile
+refuses double backward itself; a traced backward keeps the plain path.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import threading
 import weakref
@@ -126,6 +144,7 @@ import torch.utils._pytree as pytree
 from torch._dynamo import nonstrict_trace
 
 from blockscale._registry import tracing
+from blockscale.formats.hadamard import matrix as hadamard_matrix
 from blockscale.formats.nvfp4 import NVFP4Tensor
 from blockscale.gemm.dispatch import (
     Backend,
@@ -144,7 +163,13 @@ from blockscale.ops.quantize import (
     rows_and_tokens_amax,
     save_operand,
 )
-from blockscale.ops.weight_cache import Stamp, WeightCache
+from blockscale.ops.weight_cache import (
+    Stamp,
+    WeightCache,
+    enter_forward,
+    exit_forward,
+    forward_epoch,
+)
 from blockscale.recipes import Format, OperandConfig, Recipe, Rounding, require_recipe
 
 Operand = QuantizedOperand | Transposed
@@ -398,15 +423,19 @@ class _SharedInput(threading.local):
     def get(self, input: torch.Tensor, key: tuple) -> tuple | None:
         if self.ref is None or self.ref() is not input:
             return None
-        if input._version != self.version or self.key != key:
+        if input._version != self.version or self.key != (forward_epoch(), *key):
             return None
         return self.value
 
     def put(self, input: torch.Tensor, key: tuple, value: tuple) -> None:
+        epoch = forward_epoch()
+        if epoch is None:  # no forward scope bounds the reuse (ops/weight_cache.py)
+            self.clear()
+            return
         self.ref, self.version, self.key, self.value = (
             weakref.ref(input),
             input._version,
-            key,
+            (epoch, *key),
             value,
         )
 
@@ -440,6 +469,8 @@ def _quantized_input(
         or x_amax is not None
         or tokens_amax is not None
         or input.is_inference()  # no version counter to tell an in-place change by
+        # copies made there are inference tensors, which a training forward could not save
+        or torch.is_inference_mode_enabled()
     ):
         return quantize_rows_and_tokens(
             x.to(dtype), row_cfg, wgrad_cfg, row_amax=x_amax, tokens_amax=tokens_amax, codes=codes
@@ -549,49 +580,211 @@ class _Linear(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if not tracing():  # a traced backward keeps no eager state to release
             _SHARED.clear()  # the forward's last kept input copies are not needed past here
-        recipe: Recipe = ctx.recipe
         saved = ctx.saved_tensors
-        n = ctx.n_weight_tensors
-        go = grad_output.reshape(-1, grad_output.shape[-1])
-        grad_input = grad_weight = grad_bias = None
-        with autocast_off(go.device.type):
-            row_cfg = recipe.grad_input.grad_output if ctx.needs_input_grad[0] else None
-            tokens_cfg = recipe.grad_weight.grad_output_t if ctx.needs_input_grad[1] else None
-            go_amax = tokens_amax = None
-            sharded: AmaxReduction | None = ctx.sharded
-            if sharded is not None and sharded.grad_output:
-                local = list(rows_and_tokens_amax(go, row_cfg, tokens_cfg))
-                go_amax, tokens_amax = _reduced(sharded, local)
-            go_lp, go_t = quantize_rows_and_tokens(
-                go, row_cfg, tokens_cfg, tokens_dq=True, row_amax=go_amax,
-                tokens_amax=tokens_amax, codes=activation_codes(ctx.backend),
-            )  # fmt: skip
-            if ctx.needs_input_grad[0]:
-                if ctx.recompute:
-                    weight, *amax = saved[:n]
-                    amax = amax[0] if amax else None
-                    weight_t = _dgrad_weight(
-                        weight, recipe, ctx.shared, amax, ctx.cache, ctx.stamp,
-                        dq_only=ctx.backend is Backend.EMULATED,
-                    )  # fmt: skip
-                else:
-                    weight_t = cached_dgrad_weight(ctx.cache, ctx.stamp, recipe, ctx.shared)
-                    if weight_t is None:
-                        weight_t = load_operand(saved[:n], ctx.weight_meta)
-                    elif ctx.shared:
-                        weight_t = Transposed(weight_t)  # type: ignore[arg-type]
-                # in the dtype the forward cast the input to, then as a cast's backward would
-                grad_input = _mm(go_lp, weight_t, ctx.cast_dtype, ctx.compute_dtype, ctx.backend)
-                grad_input = grad_input.reshape(ctx.input_shape).to(ctx.input_dtype)
-                # Release grad_output's `_dq` operand and the weight's before grad_weight
-                # builds its own two: the step's peak memory is set here.
-                del go_lp, weight_t
-            if ctx.needs_input_grad[1]:
-                input_t = load_operand(saved[n:], ctx.input_meta)
-                grad_weight = _mm(go_t, input_t, ctx.weight_dtype, ctx.compute_dtype, ctx.backend)
-            if ctx.needs_input_grad[2]:
-                grad_bias = go.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        if torch.is_grad_enabled() and not tracing():
+            # create_graph=True: the same GEMMs, differentiable (module docstring, "Second
+            # derivatives"). A traced backward never is: torch.compile refuses double backward.
+            weight = _weight_input(ctx, saved)
+            anchor = second_order_anchor(ctx, grad_output)
+            grads = _LinearBackward.apply(grad_output, weight, anchor, ctx, saved)
+        else:
+            grads = _backward_gemms(ctx, grad_output, saved)
+        return (*grads, None, None, None, None, None, None)
+
+
+def _backward_gemms(
+    ctx: Any,
+    grad_output: torch.Tensor,
+    saved: tuple[torch.Tensor, ...],
+    kept: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(grad_input, grad_weight, grad_bias) of `_Linear` from its `ctx` and saved tensors,
+    None where not needed. `kept`: a dict that receives the operands the two GEMMs read
+    (`_LinearBackward`'s second derivative), which are then kept past their GEMM."""
+    recipe: Recipe = ctx.recipe
+    n = ctx.n_weight_tensors
+    go = grad_output.reshape(-1, grad_output.shape[-1])
+    grad_input = grad_weight = grad_bias = None
+    with autocast_off(go.device.type):
+        row_cfg = recipe.grad_input.grad_output if ctx.needs_input_grad[0] else None
+        tokens_cfg = recipe.grad_weight.grad_output_t if ctx.needs_input_grad[1] else None
+        go_amax = tokens_amax = None
+        sharded: AmaxReduction | None = ctx.sharded
+        if sharded is not None and sharded.grad_output:
+            local = list(rows_and_tokens_amax(go, row_cfg, tokens_cfg))
+            go_amax, tokens_amax = _reduced(sharded, local)
+        go_lp, go_t = quantize_rows_and_tokens(
+            go, row_cfg, tokens_cfg, tokens_dq=True, row_amax=go_amax,
+            tokens_amax=tokens_amax, codes=activation_codes(ctx.backend),
+        )  # fmt: skip
+        if ctx.needs_input_grad[0]:
+            if ctx.recompute:
+                weight, *amax = saved[:n]
+                amax = amax[0] if amax else None
+                weight_t = _dgrad_weight(
+                    weight, recipe, ctx.shared, amax, ctx.cache, ctx.stamp,
+                    dq_only=ctx.backend is Backend.EMULATED,
+                )  # fmt: skip
+            else:
+                weight_t = cached_dgrad_weight(ctx.cache, ctx.stamp, recipe, ctx.shared)
+                if weight_t is None:
+                    weight_t = load_operand(saved[:n], ctx.weight_meta)
+                elif ctx.shared:
+                    weight_t = Transposed(weight_t)  # type: ignore[arg-type]
+            # in the dtype the forward cast the input to, then as a cast's backward would
+            grad_input = _mm(go_lp, weight_t, ctx.cast_dtype, ctx.compute_dtype, ctx.backend)
+            grad_input = grad_input.reshape(ctx.input_shape).to(ctx.input_dtype)
+            if kept is not None:
+                kept["grad_output"], kept["weight_t"] = go_lp, weight_t
+            # Release grad_output's `_dq` operand and the weight's before grad_weight
+            # builds its own two: the step's peak memory is set here.
+            del go_lp, weight_t
+        if ctx.needs_input_grad[1]:
+            input_t = load_operand(saved[n:], ctx.input_meta)
+            grad_weight = _mm(go_t, input_t, ctx.weight_dtype, ctx.compute_dtype, ctx.backend)
+            if kept is not None:
+                kept["input_t"] = input_t
+        if ctx.needs_input_grad[2]:
+            grad_bias = go.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+    return grad_input, grad_weight, grad_bias
+
+
+def _weight_input(ctx: Any, saved: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """The weight itself where the forward saved it (`ctx.recompute`), for the second
+    derivative of grad_input with respect to it; None where only a packed copy was saved."""
+    return saved[0] if ctx.recompute else None
+
+
+def second_order_anchor(ctx: Any, grad_output: torch.Tensor) -> torch.Tensor | None:
+    """An empty tensor that requires grad, handed to `_LinearBackward` where a second
+    derivative could need a tensor the backward cannot reach: grad_weight's with respect to
+    the input (never saved), or grad_input's with respect to a weight saved only packed. It
+    makes the results part of the graph even when nothing else is (a root grad_output and no
+    weight), so that a second backward through them reaches `_LinearBackward.backward`, which
+    raises, instead of treating them as constants (a gradient of exactly zero)."""
+    if ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and not ctx.recompute:
+        return torch.empty(0, device=grad_output.device, requires_grad=True)
+    return None
+
+
+def operand_values(op: Operand | None) -> torch.Tensor | None:
+    """The FP32 values an operand stands for: codes times block scales times the global
+    decode scale (a Hadamard copy's transformed values; a `Transposed` copy transposed)."""
+    if op is None:
+        return None
+    if isinstance(op, Transposed):
+        return op.base.dequantize(torch.float32).t()
+    return op.dequantize(torch.float32)
+
+
+def undo_hadamard(y: torch.Tensor) -> torch.Tensor:
+    """y @ H.T in each run of 16 values along the last dim, in FP32: the inverse of the
+    16x16 transform (H is orthogonal), and the backward of applying it."""
+    h = hadamard_matrix(device=y.device)
+    return (y.float().unflatten(-1, (-1, h.shape[0])) @ h.t()).flatten(-2)
+
+
+def describe_linear(ctx: Any, out_features: int) -> str:
+    """The layer in an error message: shapes and recipe (a Function does not know its name)."""
+    weight = [out_features, ctx.input_shape[-1]]
+    return f"blockscale.linear (input {list(ctx.input_shape)}, weight {weight}, {ctx.recipe.name})"
+
+
+def second_order_input_error(where: str) -> NotImplementedError:
+    """A second derivative of grad_weight with respect to the input: not supported."""
+    return NotImplementedError(
+        f"{where}: a second derivative through the weight's gradient needs the gradient of "
+        "grad_weight = grad_output.T @ input with respect to the input, and this op does not "
+        "keep the input for backward (only its quantized token copy, which is not connected "
+        "to the input in the autograd graph), so that term would be silently lost. Supported: "
+        "second derivatives through the input's gradient (e.g. a gradient penalty on "
+        "torch.autograd.grad(out, x, create_graph=True)), and through the weight's gradient "
+        "where the op's input does not require grad"
+    )
+
+
+def second_order_weight_error(where: str, config: OperandConfig) -> NotImplementedError:
+    """A second derivative of grad_input with respect to a weight saved packed: not supported."""
+    return NotImplementedError(
+        f"{where}: a second derivative through the input's gradient needs the gradient of "
+        "grad_input = grad_output @ weight with respect to the weight, and this op saved only "
+        f"the weight's quantized copy for backward (grad_input.weight is {config.describe()}; "
+        "the weight itself is kept only for a round-to-nearest copy of a plain weight tensor "
+        "that is a leaf or a view of one, not for a stochastically rounded copy, a weight that "
+        "arrives quantized, a weight computed in the forward, or RECOMPUTE_WEIGHT = False), so "
+        "that term would be silently lost"
+    )
+
+
+class _LinearBackward(torch.autograd.Function):
+    """`_Linear`'s backward as a differentiable op (module docstring, "Second derivatives").
+
+    forward: the same GEMMs on the same quantized operands as the plain backward
+    (`_backward_gemms`), so the first derivatives are the same bits. backward: the second
+    derivatives of grad_input = G @ W, grad_weight = Gt @ Xt.T and grad_bias = sum(G) with
+    every quantizer straight-through (formats/straight_through.py), as FP32 GEMMs on the
+    dequantized operands the forward GEMMs read."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        grad_output: torch.Tensor,
+        weight: torch.Tensor | None,
+        anchor: torch.Tensor | None,
+        outer: Any,
+        saved: tuple[torch.Tensor, ...],
+    ) -> tuple[torch.Tensor | None, ...]:
+        ctx.set_materialize_grads(False)  # an unused result's gradient stays None
+        kept: dict[str, Any] = {}
+        grads = _backward_gemms(outer, grad_output, saved, kept)
+        ctx.kept, ctx.outer = kept, outer
+        ctx.go_shape, ctx.go_dtype = grad_output.shape, grad_output.dtype
+        ctx.device_type = grad_output.device.type
+        return grads
+
+    @staticmethod
+    def backward(
+        ctx: Any,
+        grad_grad_input: torch.Tensor | None,
+        grad_grad_weight: torch.Tensor | None,
+        grad_grad_bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, ...]:
+        outer = ctx.outer
+        recipe: Recipe = outer.recipe
+        n = ctx.go_shape[-1]
+        where = describe_linear(outer, n)
+        m = math.prod(ctx.go_shape[:-1])
+        d_go: torch.Tensor | None = None
+        d_weight = None
+        with autocast_off(ctx.device_type):
+            if grad_grad_input is not None:
+                ggi = grad_grad_input.reshape(m, -1).float()
+                w_t = operand_values(ctx.kept["weight_t"])  # [K, N]: grad_input = G @ w_t.T
+                d_go = ggi @ w_t
+                if ctx.needs_input_grad[1]:
+                    g = operand_values(ctx.kept["grad_output"])  # [M, N]
+                    d_weight = (g.t() @ ggi).to(outer.weight_dtype)
+                elif outer.needs_input_grad[1]:
+                    raise second_order_weight_error(where, recipe.grad_input.weight)
+            if grad_grad_weight is not None:
+                if outer.needs_input_grad[0]:
+                    raise second_order_input_error(where)
+                # grad_weight = T(G.T) @ Xt.T with T the token copy's transform (if any):
+                # d/dG.T = T's backward of (ggw @ Xt), unpadded
+                x_t = operand_values(ctx.kept["input_t"])  # [K, M']
+                d_go_t = grad_grad_weight.float() @ x_t
+                if recipe.grad_weight.grad_output_t.hadamard:
+                    d_go_t = undo_hadamard(d_go_t)
+                d_go = _added(d_go, d_go_t[:, :m].t())
+            if grad_grad_bias is not None:
+                d_go = _added(d_go, grad_grad_bias.float().expand(m, n))
+        if d_go is not None:
+            d_go = d_go.to(ctx.go_dtype).reshape(ctx.go_shape)
+        return d_go, d_weight, None, None, None
+
+
+def _added(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    return b if a is None else a + b
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -671,14 +864,18 @@ def linear(
     if input.is_meta or weight.is_meta:
         return meta_output(F.linear(input, weight.to(input.dtype), None), bias, input)
     backend = resolve_backend(recipe.backend, input.device)
-    # A weight shard's amax is reduced over ranks in each forward: not cached.
-    stamp = None
-    if weight_cache is not None and not (amax_reduction is not None and amax_reduction.weight):
-        stamp = weight_cache.stamp(weight)
-    cache = None if stamp is None else weight_cache
-    return _Linear.apply(
-        input, weight, bias, recipe, backend, output_dtype(input), amax_reduction, cache, stamp
-    )
+    enter_forward()  # a call outside the model's forward scope is a scope of its own
+    try:
+        # A weight shard's amax is reduced over ranks in each forward: not cached.
+        stamp = None
+        if weight_cache is not None and not (amax_reduction is not None and amax_reduction.weight):
+            stamp = weight_cache.stamp(weight)
+        cache = None if stamp is None else weight_cache
+        return _Linear.apply(
+            input, weight, bias, recipe, backend, output_dtype(input), amax_reduction, cache, stamp
+        )
+    finally:
+        exit_forward()
 
 
 def meta_output(output: torch.Tensor, bias: torch.Tensor | None, input: torch.Tensor):

@@ -134,8 +134,9 @@ def build_model(cfg: TrainConfig, device: torch.device) -> tuple[Transformer, re
     if recipe.quantized:
         policy = bsnn.layer_policy(model, bf16_tail_fraction=cfg.bf16_tail)
         bsnn.convert(model, recipe, module_filter_fn=policy)
-        if not cfg.weight_cache:
-            bsnn.set_weight_cache(model, False)
+        # This loop changes the weights only through its torch.optim optimizer and
+        # load_state_dict, so copies may be reused across micro-batches (ops/weight_cache.py)
+        bsnn.set_weight_cache(model, cfg.weight_cache, scope="step")
     return model, recipe
 
 
