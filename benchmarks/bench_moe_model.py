@@ -22,9 +22,11 @@ autocast op, so transformers runs FP32 masters' grouped GEMMs in FP32, slower th
 every quantized recipe, whose GEMMs run on BF16 tensor cores; that unconverted model is the
 `hf` recipe, on request). The baseline routes the experts as `convert` does, to a
 `CastGroupedMM`; its linears are autocast's. A quantized recipe's model is converted with
-`convert(model, recipe, module_filter_fn=layer_policy(model, bf16_tail_fraction=0.0))`: every
-block is quantized (with one or two blocks the paper's 15% tail would keep a whole block, or
-the only one, in BF16), the LM head, embeddings and routers stay BF16.
+`convert(model, recipe, module_filter_fn=layer_policy(model))`, the README's call: with one or
+two blocks the paper's 15% tail keeps the last block (or the only one) in BF16, its experts
+routed unquantized. `--bf16-tail-fraction 0.0` quantizes every block (the rows before
+2026-12-05 were measured so: that call compiled where the README's did not, issue 60); the LM
+head, embeddings and routers stay BF16 either way.
 
 The step is bench_model.py's: FP32 parameters, forward under BF16 autocast (CUDA), FP32
 cross-entropy, backward, clipping at 1.0, fused AdamW. "compile" is plain
@@ -154,7 +156,9 @@ def _is_experts(module: torch.nn.Module, fqn: str) -> bool:
     return bool(bs_experts.experts_weights(module))
 
 
-def build(spec: MoESpec, recipe: str, seq_len: int, device: torch.device) -> torch.nn.Module:
+def build(
+    spec: MoESpec, recipe: str, seq_len: int, device: torch.device, bf16_tail_fraction: float
+) -> torch.nn.Module:
     """The model (FP32, on `device`, seeded), made to run `recipe`."""
     import transformers  # noqa: PLC0415 (optional)
 
@@ -173,7 +177,7 @@ def build(spec: MoESpec, recipe: str, seq_len: int, device: torch.device) -> tor
                 for name in list(grouped_mms):
                     grouped_mms[name] = CastGroupedMM(recipes.get("bf16"))
     elif recipe != "hf":
-        policy = bsnn.layer_policy(model, bf16_tail_fraction=0.0)
+        policy = bsnn.layer_policy(model, bf16_tail_fraction=bf16_tail_fraction)
         bsnn.convert(model, recipes.get(recipe), module_filter_fn=policy)
     return model
 
@@ -183,7 +187,7 @@ def run_case(name: str, mode: str, recipe: str, args, device: torch.device) -> d
     model = optimizer = forward = step = batches = None
     try:
         spec = MODELS[name]
-        model = build(spec, recipe, args.seq_len, device)
+        model = build(spec, recipe, args.seq_len, device, args.bf16_tail_fraction)
         if args.no_weight_cache:
             bsnn.set_weight_cache(model, False)
         row["layers"] = spec.layers()
@@ -239,6 +243,7 @@ def peak_alone(name: str, mode: str, recipe: str, args) -> dict[str, Any]:
                    "--compile-timeout", str(args.compile_timeout)]  # fmt: skip
         if args.no_weight_cache:
             command.append("--no-weight-cache")
+        command += ["--bf16-tail-fraction", str(args.bf16_tail_fraction)]
         if args.fp32_grad_weight_launch:
             command += ["--fp32-grad-weight-launch", args.fp32_grad_weight_launch]
         if args.activation_codes:
@@ -313,6 +318,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="set a switch of kernels/grouped_gemm.py (ROWS_FUSED_LOOPS, "
                              "ROWS_PERSISTENT_NMAJOR, ROWS_WARP_SPECIALIZE, ...); "
                              "repeatable")  # fmt: skip
+    parser.add_argument(
+        "--bf16-tail-fraction",
+        type=float,
+        default=0.15,
+        help="layer_policy's (0.15, its default, is the README's call; 0.0 "
+        "quantizes every block, as the rows before 2026-12-05 did)",
+    )
     parser.add_argument("--device", default=None)
     parser.add_argument("--smoke", action="store_true",
                         help="CPU smoke test: the tiny models (unless --models), batch 2, "

@@ -1,6 +1,7 @@
 """convert(), the layer policy and the precision schedule on a small Llama-like model."""
 
 import logging
+import re
 
 import pytest
 import torch
@@ -136,6 +137,61 @@ def test_convert_is_post_order_and_handles_a_bare_linear():
     assert seq[0] is seq[1][0] and isinstance(seq[0], bsnn.Linear)
 
 
+def test_a_linear_twice_in_one_parent_is_one_converted_linear_at_both_names(caplog):
+    """nn.Sequential(l, act, l) left index 2 a plain nn.Linear (issue 60, case 4):
+    named_children() yields a module registered twice in one parent only once."""
+    torch.manual_seed(0)
+    shared = nn.Linear(32, 32)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    x = torch.randn(4, 32)
+    with caplog.at_level(logging.INFO, logger="blockscale"):
+        bsnn.convert(model, recipes.get("nvfp4"))
+    assert isinstance(model[0], bsnn.Linear) and model[2] is model[0]
+    assert model[0].weight is shared.weight and model[0].bias is shared.bias
+    assert "converted 1 of 1 linears" in caplog.text  # one module, counted once
+    assert bsnn.set_precision(model, False) == 1
+    assert torch.equal(model(x), shared(F.relu(shared(x))))
+
+
+def test_a_filter_must_answer_the_same_at_every_name_of_a_shared_linear():
+    """The filter was asked at the first name only: False at the second name was overruled
+    without a word (and before case 4's fix, index 2 stayed plain whatever it said)."""
+    shared = nn.Linear(32, 32)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    with pytest.raises(ValueError, match=r"registered under 2 names, at 0 but keeps it in high "):
+        bsnn.convert(model, recipes.get("nvfp4"), lambda module, fqn: fqn != "2")
+    assert type(model[0]) is nn.Linear and model[2] is model[0]  # unchanged
+    bsnn.convert(model, recipes.get("nvfp4"), lambda module, fqn: False)
+    assert type(model[0]) is nn.Linear and model[2] is model[0]
+    bsnn.convert(model, recipes.get("nvfp4"), lambda module, fqn: True)
+    assert isinstance(model[0], bsnn.Linear) and model[2] is model[0]
+
+
+def test_layer_policy_with_a_linear_shared_by_every_block_refuses_to_half_convert():
+    """layer_policy keeps the last block in BF16 and quantizes the others: one linear in all
+    of them cannot be both, so convert names the disagreement instead of picking."""
+    shared = nn.Linear(32, 32)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), shared) for _ in range(4))
+    model = nn.ModuleDict({"layers": blocks})
+    with pytest.raises(ValueError, match=r"at layers.0.1, layers.1.1, layers.2.1 but keeps it"):
+        bsnn.convert(model, recipes.get("nvfp4"), bsnn.layer_policy(model))
+    assert not converted_names(model)
+
+
+def test_a_shared_linear_that_is_an_lm_head_at_its_second_name_gets_the_notice(caplog):
+    """The LM-head notice read the first name only: inside a block, a vocabulary-wide output
+    is no head, so a head that is also registered in a block was quantized without a word."""
+    vocab = 64
+    head = nn.Linear(32, vocab)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32)) for _ in range(2))
+    blocks[1].append(head)
+    model = nn.ModuleDict({"embed": nn.Embedding(vocab, 32), "layers": blocks, "lm_head": head})
+    with caplog.at_level(logging.WARNING, logger="blockscale"):
+        bsnn.convert(model, recipes.get("nvfp4"))
+    assert model["lm_head"] is model["layers"][1][1] and isinstance(model["lm_head"], bsnn.Linear)
+    assert "lm_head is quantized to nvfp4: it looks like an LM head" in caplog.text
+
+
 def test_forward_backward_and_state_dict_round_trip():
     model = tiny_model()
     reference = tiny_model()
@@ -178,6 +234,25 @@ def test_set_precision_and_schedule():
     assert not schedule.apply(model, 82) and not model.layers[0].mlp.w2.quantize_enabled
     with pytest.raises(ValueError, match="bf16_final_fraction=2 is not in"):
         bsnn.PrecisionSchedule(10, 2)
+
+
+@pytest.mark.parametrize("enabled", ["False", None, 0, torch.tensor(False)])
+def test_set_precision_takes_only_a_bool(enabled):
+    """set_precision(model, "False") turned quantization on (issue 60, case 5)."""
+    model = bsnn.convert(nn.Sequential(nn.Linear(32, 32)), recipes.get("nvfp4"))
+    bsnn.set_precision(model, False)
+    message = f"enabled={enabled!r} is a {type(enabled).__name__}, not a bool"
+    with pytest.raises(TypeError, match=re.escape(message)):
+        bsnn.set_precision(model, enabled)
+    assert model[0].quantize_enabled is False  # nothing switched
+    np = pytest.importorskip("numpy")
+    assert bsnn.set_precision(model, np.True_) == 1 and model[0].quantize_enabled is True
+
+
+def test_a_linear_bias_switch_must_be_a_bool():
+    """`bs.nn.Linear(..., bias="False")` made a bias (issue 60, case 5)."""
+    with pytest.raises(TypeError, match="bias='False' is a str, not a bool"):
+        bsnn.Linear(64, 32, bias="False", recipe=recipes.get("nvfp4"))
 
 
 def test_linear_module_basics():

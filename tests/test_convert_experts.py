@@ -197,7 +197,8 @@ def test_expert_weights_that_do_not_fit_the_blocks_stay_high_precision(caplog):
     experts = Experts(hidden_dim=40)  # down_proj [E, 64, 40]: K=40 is not a multiple of 16
     with caplog.at_level(logging.INFO, logger="blockscale"):
         bsnn.convert(experts, RECIPE)
-    assert list(experts.grouped_mms) == ["gate_up_proj"]
+    recipes = {name: m.recipe.name for name, m in experts.grouped_mms.items()}
+    assert recipes == {"gate_up_proj": RECIPE.name, "down_proj": "bf16"}  # routed unquantized
     assert (
         "down_proj stays in high precision: in_features=40 is not a multiple of 16" in caplog.text
     )
@@ -264,14 +265,32 @@ def test_module_filter_sees_experts_and_deepcopy_routes_the_copy():
     assert copied.experts.gate_up_proj is not model.experts.gate_up_proj
 
 
+def test_a_shared_experts_module_is_routed_once_and_the_filter_must_agree_at_its_names(caplog):
+    """One experts module in two MoE blocks: the filter was asked at its first name only, so
+    False at the second was overruled and the experts quantized there too (issue 60, case 4)."""
+    net = nn.Module()
+    net.a, net.b = MoE(), MoE()
+    net.b.experts = net.a.experts
+    with pytest.raises(ValueError, match=r"Experts, registered under 2 names, at a.experts but"):
+        bsnn.convert(net, RECIPE, module_filter_fn=lambda m, fqn: fqn != "b.experts")
+    assert type(net.a.experts) is Experts and not hasattr(net.a.experts, "grouped_mms")
+    assert type(net.a.proj) is nn.Linear  # the model is unchanged
+    with caplog.at_level(logging.INFO, logger="blockscale"):
+        bsnn.convert(net, RECIPE, module_filter_fn=lambda m, fqn: True)
+    assert net.b.experts is net.a.experts and type(net.a.experts).__name__ == "BlockscaleExperts"
+    assert "converted 2 of 4 linears and 2 of 2 expert weights" in caplog.text  # counted once
+    assert bsnn.set_precision(net, False) == 2 + 2  # the two proj, one GroupedMM per weight
+
+
 def test_layer_policy_keeps_the_tail_blocks_experts_bf16(caplog):
     net = nn.Module()
     net.layers = nn.ModuleList(MoE() for _ in range(7))  # 15% of 7 rounds to 1 block
     with caplog.at_level(logging.INFO, logger="blockscale"):
         bsnn.convert(net, RECIPE, module_filter_fn=bsnn.layer_policy(net))
-    routed = [i for i, block in enumerate(net.layers) if hasattr(block.experts, "grouped_mms")]
-    assert routed == [0, 1, 2, 3, 4, 5]
-    assert type(net.layers[6].experts) is Experts
+    recipes = [{m.recipe.name for m in block.experts.grouped_mms.values()} for block in net.layers]
+    # the tail block's experts are routed unquantized (nn/convert.py, "Experts kept in high
+    # precision"): the model's own values, through an op that compiles
+    assert recipes == [{RECIPE.name}] * 6 + [{"bf16"}]
     assert "converted 6 of 14 linears and 12 of 14 expert weights" in caplog.text
 
 
@@ -402,7 +421,8 @@ def test_blockscale_moe_model_converts():
     bsnn.convert(model, RECIPE, module_filter_fn=bsnn.layer_policy(model))
     head, tail = (layer.moe for layer in model.layers)
     assert list(head.experts.grouped_mms) == ["gate_up_proj", "down_proj"]
-    assert type(tail.experts) is type(reference.layers[1].moe.experts)  # the BF16 tail block
+    # the BF16 tail block's experts: routed unquantized (nn/convert.py)
+    assert {m.recipe.name for m in tail.experts.grouped_mms.values()} == {"bf16"}
     assert type(head.router) is nn.Linear and isinstance(head.shared_expert.w13, bsnn.Linear)
     captured = []
     for g in head.experts.grouped_mms.values():
@@ -628,7 +648,8 @@ def test_hf_experts_are_quantized_and_routers_untouched(kind, caplog):
         "gate_up_proj",
         "down_proj",
     ]
-    assert not type(tail).__name__.startswith("Blockscale")  # layers.1 is the BF16 tail
+    # layers.1 is the BF16 tail: routed unquantized (nn/convert.py)
+    assert {m.recipe.name for m in tail.grouped_mms.values()} == {"bf16"}
     assert dict(model.named_parameters()) == params
     for block, (router, router_type, weight) in zip(moe_blocks(model), routers):
         assert router_of(block) is router and type(router) is router_type
@@ -926,3 +947,43 @@ def test_gpu_hf_compiled_with_fp32_masters_under_autocast_tracks_eager(backend, 
     else:
         noise = rel(run(compiled=True, quantized=False)[0], run(compiled=False, quantized=False)[0])
         assert rel(compiled, eager) <= max(10 * noise, 2e-3), (compiled, eager, noise)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3", "mixtral"])
+def test_gpu_readme_moe_call_compiles_and_trains(kind):
+    """The README's MoE call exactly: FP32 masters, `convert(model, recipe,
+    module_filter_fn=layer_policy(model))` with the default policy (its BF16 tail block's
+    experts included), plain `torch.compile(model)` (Inductor), BF16 autocast, fused AdamW.
+    Before the tail block's experts were routed unquantized (nn/convert.py, "Experts kept in
+    high precision"), the first compiled step raised DataDependentOutputException in the
+    backward of transformers' fallback op on an H200 (torch 2.11, transformers 5.17). The
+    compiled losses follow eager's within 2e-2 relative (Inductor fuses the model's BF16 ops
+    with other roundings), and both blocks' expert weights get gradients."""
+    torch._dynamo.reset()
+    losses = {}
+    for compiled in (False, True):
+        model = hf_model(kind, n_layers=2).cuda()
+        bsnn.convert(model, RECIPE, module_filter_fn=bsnn.layer_policy(model))
+        head, tail = (block.experts for block in moe_blocks(model))
+        assert {m.recipe.name for m in head.grouped_mms.values()} == {RECIPE.name}
+        assert {m.recipe.name for m in tail.grouped_mms.values()} == {"bf16"}
+        forward = torch.compile(model) if compiled else model
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+        run = []
+        for step in range(3):
+            ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(step))
+            ids = ids.cuda()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = forward(ids, labels=ids).loss
+            loss.backward()
+            for experts in (head, tail):
+                assert experts.gate_up_proj.grad.abs().sum() > 0
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            run.append(loss.item())
+        losses[compiled] = torch.tensor(run)
+        torch._dynamo.reset()
+    assert torch.isfinite(losses[True]).all(), losses
+    torch.testing.assert_close(losses[True], losses[False], rtol=2e-2, atol=0)

@@ -25,10 +25,30 @@ A linear layer or an experts module is skipped, and the log says why, when
 - it is a transformers experts module set to another implementation than "grouped_mm" (only
   grouped_mm calls are routed).
 
+A module registered under several names (`nn.Sequential(layer, act, layer)`, or one module in
+two parents) is one module: it is decided once, from all its names, and the one converted
+module (its Parameters shared as before) is put at every name; an experts module is routed
+once and is routed at every name. The filter is asked at each name and must give the same
+answer at all of them, else a ValueError lists the names of each answer and the model is left
+unchanged: either answer would overrule the filter at some name, and no answer can convert a
+module at one name only. A linear that is a router beside the experts at any of its names stays
+in high precision at all of them.
+
 The log ends with "converted N of M linears" (and "and X of Y expert weights" when the model
-has experts). Without a `module_filter_fn`, a quantized linear that `layer_policy` would keep
-in BF16 as the LM head (`LayerPolicy.is_lm_head`) is logged at WARNING, with the way to keep
-it in BF16: quantizing the head is allowed, but rarely meant.
+has experts), each module counted once however many names it has, as `set_precision` counts.
+Without a `module_filter_fn`, a quantized linear that `layer_policy` would keep in BF16 as the
+LM head (`LayerPolicy.is_lm_head`) at any of its names is logged at WARNING, with the way to
+keep it in BF16: quantizing the head is allowed, but rarely meant.
+
+Experts kept in high precision. An experts weight that the filter or the blocks keep in high
+precision (the BF16 blocks of `layer_policy`, say) is routed all the same, to a `GroupedMM` of
+the `bf16` recipe: it computes what the model's own call computes (an unquantized
+`torch._grouped_mm` in the weight's dtype), but through blockscale's opaque op under
+torch.compile. Left to the model, such a weight did not compile on the GPU: transformers'
+experts call their own op `transformers::grouped_mm_fallback` for FP32 master weights under
+torch.compile, and that op's backward (transformers 5.17) reads `offs` on the host, which
+AOTAutograd cannot trace (`DataDependentOutputException`). The log's "X of Y expert weights"
+counts the quantized ones.
 
 `layer_policy(model)` builds the paper's filter (arXiv 2509.25149): keep the last ~15% of the
 transformer blocks in BF16 (their experts included), plus the LM head, embeddings and MoE
@@ -55,11 +75,16 @@ from blockscale.nn.experts import experts_weights, route_grouped_mm
 from blockscale.nn.linear import Linear
 from blockscale.ops.grouped_mm import unsupported_reason as experts_unsupported_reason
 from blockscale.ops.linear import unsupported_reason
-from blockscale.recipes import Recipe, require_recipe
+from blockscale.ops.weight_cache import scope_forwards
+from blockscale.recipes import Recipe, require_bool, require_recipe
+from blockscale.recipes import get as get_recipe
 
 logger = logging.getLogger(__name__)
 
 ModuleFilter = Callable[[nn.Module, str], bool]
+
+# What the experts weights a filter keeps in high precision are routed with (module docstring).
+UNQUANTIZED = get_recipe("bf16")
 
 # Matched (fnmatch) against the last component of a linear layer's qualified name.
 DEFAULT_BF16_NAMES = ("lm_head", "output", "head", "classifier", "*embed*", "*router*", "gate")
@@ -75,7 +100,9 @@ def convert(
     (True converts); `layer_policy(model)` builds the paper's. It must answer a bool (Python's
     or numpy's): anything else (None, 0/1, "False", a tensor) raises a TypeError naming the
     module. Every module is decided before any is changed, so a filter that raises leaves the
-    model as it was. An already converted layer or
+    model as it was. A module registered under several names is converted once and the same
+    converted module is put at each name; the filter must answer the same at all of them, else
+    a ValueError (module docstring). An already converted layer or
     experts module gets the new recipe. A bare nn.Linear passed as `model` cannot be swapped
     in place: the converted layer is returned instead.
 
@@ -89,23 +116,13 @@ def convert(
     # No policy: find the LM head as layer_policy would, to say that it gets quantized.
     heads = _lm_head_finder(model) if module_filter_fn is None and recipe.quantized else None
 
-    def chosen(module: nn.Module, fqn: str) -> bool:
-        """The filter's answer: True without a filter; a bool, else a TypeError."""
-        if module_filter_fn is None:
-            return True
-        answer = module_filter_fn(module, fqn)
-        if not _is_bool(answer):
-            raise TypeError(
-                f"module_filter_fn returned {answer!r} ({type(answer).__name__}) for "
-                f"{fqn or '<root>'} ({type(module).__name__}): it must return True (convert) "
-                "or False (keep in high precision); the model is unchanged"
-            )
-        if not answer:
-            logger.debug("%s stays in high precision (module_filter_fn)", fqn or "<root>")
-        return bool(answer)
+    def chosen(module: nn.Module, fqns: list[str]) -> bool:
+        """The filter's answer: True without a filter."""
+        return module_filter_fn is None or _filter_answer(module_filter_fn, module, fqns)
 
-    def wants(module: nn.Module, fqn: str, n_experts: set[int]) -> bool:
+    def wants(module: nn.Module, fqns: list[str], n_experts: set[int]) -> bool:
         counts["total"] += 1
+        fqn = fqns[0]
         if module.out_features in n_experts:
             logger.info(
                 "%s stays in high precision: router of the %d experts beside it",
@@ -113,29 +130,35 @@ def convert(
                 module.out_features,
             )
             return False
-        if not chosen(module, fqn):
+        if not chosen(module, fqns):
             return False
         reason = unsupported_reason(module.in_features, module.out_features, recipe)
         if reason is not None:
             logger.warning("%s stays in high precision: %s", fqn or "<root>", reason)
             return False
         counts["converted"] += 1
-        if heads is not None and heads.is_lm_head(module, fqn):
+        # a head at any of its names is the same head everywhere
+        head = next((f for f in fqns if heads is not None and heads.is_lm_head(module, f)), None)
+        if head is not None:
             logger.warning(
                 "%s is quantized to %s: it looks like an LM head (%d outputs, an embedding's "
                 "vocabulary); convert(model, recipe, module_filter_fn=layer_policy(model)) "
                 "keeps it in BF16",
-                fqn or "<root>",
+                head or "<root>",
                 recipe.name,
                 module.out_features,
             )
         return True
 
-    def wanted_experts(module: nn.Module, fqn: str, weights: dict[str, nn.Parameter]) -> list[str]:
+    def wanted_experts(
+        module: nn.Module, fqns: list[str], weights: dict[str, nn.Parameter]
+    ) -> list[str] | None:
+        """The expert weights to quantize; None where the module is not routed at all."""
         counts["expert_total"] += len(weights)
+        fqn = fqns[0]
         if _experts_not_routable(module, fqn):
-            return []
-        if not chosen(module, fqn):
+            return None
+        if not chosen(module, fqns):
             return []
         # transformers marks experts stored as [E, K, N] with is_transposed; the usual is [E, N, K].
         transposed = getattr(module, "is_transposed", False) is True
@@ -151,50 +174,44 @@ def convert(
         counts["expert_converted"] += len(names)
         return names
 
-    def decide(module: nn.Module, fqn: str, n_experts: set[int]) -> Callable[[], nn.Module]:
-        """What to do with `module` (a call that does it), decided without changing it."""
+    def decide(module: nn.Module, fqns: list[str], n_experts: set[int]) -> Callable[[], nn.Module]:
+        """What to do with `module` (a call that does it), decided without changing it, from
+        all its names and the experts beside it at any of them."""
         weights = experts_weights(module)
         if weights:
-            names = wanted_experts(module, fqn, weights)
-            return (lambda: route_grouped_mm(module, recipe, names)) if names else lambda: module
+            names = wanted_experts(module, fqns, weights)
+            if names is None:
+                return lambda: module
+            # The weights kept in high precision are routed too, unquantized (module docstring,
+            # "Experts kept in high precision").
+            kept = [name for name in weights if name not in names]
+
+            def route() -> nn.Module:
+                if kept:
+                    route_grouped_mm(module, UNQUANTIZED, kept)
+                return route_grouped_mm(module, recipe, names) if names else module
+
+            return route
         if isinstance(module, Linear):
-            if wants(module, fqn, n_experts):
+            if wants(module, fqns, n_experts):
                 return lambda: _set_recipe(module, recipe)
             return lambda: module
-        if type(module) is nn.Linear and wants(module, fqn, n_experts):
+        if type(module) is nn.Linear and wants(module, fqns, n_experts):
             return lambda: Linear.from_float(module, recipe)
         return lambda: module
 
     # Every module is decided (the filter called on each) before any is changed, so a filter
-    # that raises, or returns what is not a bool, leaves the model as it was.
-    plan: list[tuple[nn.Module, str, int]] = []  # (parent, child name, id of the child)
-    decided: dict[int, Callable[[], nn.Module]] = {}
-
-    def visit(parent: nn.Module, prefix: str) -> None:
-        children = list(parent.named_children())
-        # The number of experts of each experts module among the children: a linear beside one
-        # with that many outputs is its router.
-        n_experts = {
-            next(iter(w.values())).shape[0]
-            for _, child in children
-            if (w := experts_weights(child))
-        }
-        for name, child in children:
-            fqn = f"{prefix}.{name}" if prefix else name
-            if id(child) not in decided:  # a module registered twice is converted once
-                visit(child, fqn)
-                decided[id(child)] = decide(child, fqn, n_experts)
-            plan.append((parent, name, id(child)))
-
-    visit(model, "")
-    decided_root = decide(model, "", set())
-    swapped: dict[int, nn.Module] = {}
-    for parent, name, child_id in plan:  # children before their parent, as decided
-        if child_id not in swapped:
-            swapped[child_id] = decided[child_id]()
-        if swapped[child_id] is not getattr(parent, name):
-            setattr(parent, name, swapped[child_id])
-    model = decided_root()
+    # that raises, or returns what is not a bool, leaves the model as it was. A module
+    # registered under several names is decided once, from all of them, and its one result is
+    # put at each.
+    decided = [(found, decide(found.module, found.fqns, found.n_experts)) for found in _tree(model)]
+    decided_root = decide(model, [""], set())
+    for found, do in decided:
+        swapped = do()
+        for parent, name in found.places:
+            if getattr(parent, name) is not swapped:
+                setattr(parent, name, swapped)
+    model = scope_forwards(decided_root())  # one forward scope a call (ops/weight_cache.py)
     experts = ""
     if counts["expert_total"]:
         experts = f" and {counts['expert_converted']} of {counts['expert_total']} expert weights"
@@ -206,6 +223,71 @@ def convert(
         recipe.name,
     )
     return model
+
+
+def _filter_answer(module_filter_fn: ModuleFilter, module: nn.Module, fqns: list[str]) -> bool:
+    """The filter's answer for `module`: a bool, the same at each of its names, else an error."""
+    answers = []
+    for fqn in fqns:
+        said = module_filter_fn(module, fqn)
+        try:
+            answers.append((fqn, require_bool("module_filter_fn's answer", said)))
+        except TypeError:
+            raise TypeError(
+                f"module_filter_fn returned {said!r} ({type(said).__name__}) for "
+                f"{fqn or '<root>'} ({type(module).__name__}): it must return True (convert) "
+                "or False (keep in high precision); the model is unchanged"
+            ) from None
+    if len({said for _, said in answers}) > 1:
+        raise ValueError(
+            f"module_filter_fn converts one {type(module).__name__}, registered under "
+            f"{len(fqns)} names, at {', '.join(f for f, said in answers if said)} but keeps "
+            f"it in high precision at {', '.join(f for f, said in answers if not said)}: "
+            "it is one module, converted at all its names or at none, so the filter must "
+            "answer the same at each; the model is unchanged"
+        )
+    if not answers[0][1]:
+        logger.debug("%s stays in high precision (module_filter_fn)", fqns[0] or "<root>")
+    return answers[0][1]
+
+
+@dataclass
+class _Registered:
+    """A module below the root, with every place it is registered at."""
+
+    module: nn.Module
+    places: list[tuple[nn.Module, str]] = field(default_factory=list)  # (parent, name)
+    fqns: list[str] = field(default_factory=list)
+    # The number of experts of each experts module beside it, at any place: a linear with that
+    # many outputs is their router.
+    n_experts: set[int] = field(default_factory=set)
+
+
+def _tree(model: nn.Module) -> list[_Registered]:
+    """Every module below `model` once, children before their parent, with all its names.
+
+    It reads `_modules`, not `named_children()`, which yields a module registered twice in one
+    parent only once (the other name would keep the plain module), and walks a module met
+    before again, so that its children get their names under each of its own."""
+    found: dict[int, _Registered] = {}
+
+    def visit(parent: nn.Module, prefix: str) -> None:
+        children = [(name, child) for name, child in parent._modules.items() if child is not None]
+        n_experts = {
+            next(iter(w.values())).shape[0]
+            for _, child in children
+            if (w := experts_weights(child))
+        }
+        for name, child in children:
+            fqn = f"{prefix}.{name}" if prefix else name
+            visit(child, fqn)
+            entry = found.setdefault(id(child), _Registered(child))  # dicts keep insertion order
+            entry.places.append((parent, name))
+            entry.fqns.append(fqn)
+            entry.n_experts |= n_experts
+
+    visit(model, "")
+    return list(found.values())
 
 
 def _experts_not_routable(module: nn.Module, fqn: str) -> bool:
@@ -241,16 +323,6 @@ def _experts_not_routable(module: nn.Module, fqn: str) -> bool:
 def _set_recipe(module: Linear, recipe: Recipe) -> Linear:
     module.recipe = recipe
     return module
-
-
-def _is_bool(value: object) -> bool:
-    """A Python bool, or numpy's (`np.bool_`, what a numpy comparison gives): answers with no
-    other reading. An int, None (a filter that forgot to return), a string ("False" is truthy)
-    or a tensor (one value or many, maybe on a GPU) is refused."""
-    kind = type(value)
-    return isinstance(value, bool) or (
-        kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool")
-    )
 
 
 def _find_blocks(model: nn.Module, blocks: str | None) -> tuple[str, int] | None:
@@ -379,10 +451,11 @@ def set_precision(model: nn.Module, enabled: bool) -> int:
     >>> bs.nn.set_precision(model, False)  # one converted linear switched to plain F.linear
     1
     """
+    enabled = require_bool("enabled", enabled)
     switched = 0
     for module in model.modules():
         if hasattr(module, "quantize_enabled"):
-            module.quantize_enabled = bool(enabled)
+            module.quantize_enabled = enabled
             switched += 1
     return switched
 

@@ -67,7 +67,13 @@ def converted_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def grouped_layers(model: nn.Module) -> dict[str, nn.Module]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, bsnn.GroupedMM)}
+    """The quantized grouped GEMMs (experts kept in BF16 are routed too, unquantized:
+    nn/convert.py, "Experts kept in high precision")."""
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, bsnn.GroupedMM) and m.recipe.quantized
+    }
 
 
 def operand_sums(x: torch.Tensor, config, transpose: bool) -> torch.Tensor:
