@@ -3,8 +3,10 @@
 Every `TrainConfig` field is a flag of `train` and `compare` (see blockscale/train/config.py or
 `blockscale train --help`). Bad input (a flag out of its range, a missing file, an unknown
 recipe, a model too large for the device, a corrupt checkpoint, a resume that does not match its
-run) ends with one line on stderr and exit status 2; a run that stopped early (Ctrl-C,
-`--max-minutes`) exits with 3: run the same command (train: with `--resume`) to continue it.
+run, an `--out` that is someone else's folder) ends with one line on stderr and exit status 2;
+a run that stopped early (Ctrl-C, SIGTERM, `--max-minutes`) exits with 3: run the same command
+(train: with `--resume`) to continue it. A second Ctrl-C or SIGTERM stops at once, without a
+checkpoint, with 130.
 
 `torchrun --nproc-per-node N -m blockscale train --fsdp ...` trains one run over N ranks
 (blockscale/train/ranks.py, docs/DISTRIBUTED.md): rank 0 alone prints and writes the run.

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from blockscale.train import TrainConfig, UsageError, files, read_metrics, train
@@ -280,20 +281,44 @@ def _disk_full(original):
     return call
 
 
+def _safetensors_disk_full(original):
+    """safetensors' own failure on a full disk: half the file written, then its SafetensorError
+    (the message as safetensors 0.8 words it), not an OSError."""
+
+    def call(*args, **kwargs):
+        original(*args, **kwargs)
+        target = Path(args[1])
+        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+        raise SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+
+    return call
+
+
 @pytest.mark.parametrize(
-    ("point", "at"), [("metrics row", 5), ("trainer tensors", 2), ("atomic write", 1)]
+    ("point", "at", "fail"),
+    [
+        ("metrics row", 5, _disk_full),
+        ("trainer tensors", 2, _disk_full),
+        ("atomic write", 1, _disk_full),
+        ("model tensors", 2, _safetensors_disk_full),
+        ("trainer tensors", 3, _safetensors_disk_full),
+    ],
+    ids=["row", "checkpoint", "config", "safetensors-model", "safetensors-trainer"],
 )
 def test_a_full_disk_ends_in_one_line_and_the_run_resumes(
-    point, at, reference, tmp_path, monkeypatch, capsys
+    point, at, fail, reference, tmp_path, monkeypatch, capsys
 ):
     """A write that fails (here: no space left) at a metrics row, a checkpoint, config.json:
     one line and status 2 instead of a traceback, and once there is room the run goes on to
-    the uninterrupted run's rows and weights."""
+    the uninterrupted run's rows and weights. A checkpoint's tensor files are written by
+    safetensors, whose full disk was a `SafetensorError (os error 28)` traceback (issue 60)."""
     from blockscale.cli import main
 
     run_dir = tmp_path / "run"
     with monkeypatch.context() as m:
-        Armed(m, point, at, fail=_disk_full)
+        Armed(m, point, at, fail=fail)
         assert main(["train", *cli_flags(run_dir)]) == 2
     err = capsys.readouterr().err
     assert f"cannot write the run in {run_dir}: [Errno 28] No space left on device" in err

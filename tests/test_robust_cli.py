@@ -145,3 +145,66 @@ def test_compare_runs_each_recipe_once_and_always_the_bf16_baseline(tmp_path, ca
     assert "holds none of this comparison's runs (bf16, nvfp4, bf16-seed1)" in (
         capsys.readouterr().err
     )
+
+
+def foreign_folder(tmp_path) -> Path:
+    """A transformers model's folder: its config.json and a summary.json of its own."""
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "summary.json").write_text('{"eval_loss": 1.25}\n')
+    return folder
+
+
+def contents(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*")}
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resume"])
+def test_out_holding_another_programs_config_is_refused_untouched(resume, tmp_path, capsys):
+    """`train --out DIR` overwrote a config.json that was not a run's and deleted its
+    summary.json; `--resume` read it as a run config, trained a run of defaults and replaced
+    it (issue 60). Now one line, and the folder is as it was (no lock file either)."""
+    folder = foreign_folder(tmp_path)
+    before = contents(folder)
+    args = ["train", *(["--resume"] if resume else []), "--out", str(folder), "--steps", "1"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"{folder} is not a blockscale run: its config.json has keys that are not run " in err
+    assert "(architectures, hidden_size, model_type)" in err
+    assert contents(folder) == before
+
+
+def test_out_holding_other_files_is_refused_and_a_run_folder_is_not(tmp_path, capsys):
+    """No config.json, other files: someone else's folder, refused. An empty folder, or one
+    holding only what a run writes, is taken."""
+    folder = tmp_path / "papers"
+    folder.mkdir()
+    (folder / "draft.tex").write_text("mine\n")
+    (folder / "metrics.jsonl").write_text('{"mine": 1}\n')
+    before = contents(folder)
+    assert main(["train", "--out", str(folder), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"{folder} is not a blockscale run: it has no config.json and holds what no run " in err
+    assert "writes (draft.tex)" in err and contents(folder) == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    args = ["--quiet", "--steps", "1", "--batch-size", "2", "--seq-len", "32"]
+    args += ["--eval-every", "0", "--telemetry-every", "0", "--max-data-bytes", "20000"]
+    assert main(["train", "--out", str(empty), *args]) == 0
+    # a run's own folder: a fresh start refused as a run, --resume taken
+    assert main(["train", "--out", str(empty), *args]) == 2
+    assert "already holds a run; pass --resume" in capsys.readouterr().err
+    assert main(["train", "--resume", "--out", str(empty), *args, "--steps", "2"]) == 0
+
+
+def test_a_config_with_foreign_keys_is_not_read_as_a_run(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"lr": 0.1, "epochs": 3}))
+    with pytest.raises(UsageError, match=r"its config.json has keys that are not run settings"):
+        TrainConfig.load(tmp_path / "config.json")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(UsageError, match=r"its config.json holds no run settings"):
+        TrainConfig.load(tmp_path / "config.json")

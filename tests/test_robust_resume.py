@@ -215,3 +215,30 @@ def test_eval_refuses_another_runs_checkpoint(run, tmp_path, capsys):
     shutil.copytree(ckpt.checkpoint_dirs(other)[-1], newest)
     assert main(["eval", "--run", str(mine), "--max-tokens", "1000", "--quiet"]) == 2
     assert "was written by another run (lr: 0.001 there, 0.003 now)" in capsys.readouterr().err
+
+
+def test_a_failed_final_evaluation_loses_no_trained_step(run, tmp_path, monkeypatch, capsys):
+    """A run whose final evaluation failed (`evaluation text has 0 bytes`, issue 60) had trained
+    every step and checkpointed none past its last regular one: `--resume` started again at
+    step 0. Now the step is checkpointed before the error goes on, and `--resume` finishes
+    with the weights of the run that never failed."""
+    from blockscale.train import loop
+
+    def fails(*args, **kwargs):
+        raise UsageError("evaluation text has 0 bytes; seq_len=32 needs at least 33")
+
+    out = tmp_path / "run"
+    # checkpoints at the end only, evaluation at step 4, the last
+    flags = [*RUN, "--ckpt-every", "0", "--eval-every", "4"]
+    monkeypatch.setattr(loop, "evaluate", fails)
+    assert main(["train", "--out", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "evaluation text has 0 bytes" in err
+    assert "(after step 4, which is checkpointed: fix that and rerun with --resume)" in err
+    assert [ckpt.step_of(p) for p in ckpt.checkpoint_dirs(out)] == [4]
+    monkeypatch.undo()
+    assert main(["train", "--resume", "--out", str(out), *flags, "--eval-every", "0"]) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+    got = load_file(ckpt.checkpoint_dirs(out)[-1] / "model.safetensors")
+    want = load_file(ckpt.checkpoint_dirs(run)[-1] / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)

@@ -22,6 +22,11 @@ intact but do not fit the model is reported as a mismatch (never as "delete it")
 Checkpoints written before manifests existed load without the check.
 
 Folders sort by step number, not by name: `step_1000000` comes after `step_999999`.
+
+A write that fails (a full disk) is an `OSError` whichever library wrote: safetensors reports
+its own as `SafetensorError` ("I/O error: No space left on device (os error 28)"), which
+`_written` turns back into the OSError it wraps, so the training loop says it in one line
+(files.write_failure) where it showed a traceback (issue 60).
 """
 
 from __future__ import annotations
@@ -113,6 +118,22 @@ def verify(path: Path) -> bool:
     return True
 
 
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _written(write, source, path: Path, **kwargs) -> None:
+    """`write(source, str(path), **kwargs)` (safetensors' save_file or save_model); its I/O
+    failure as the OSError it wraps (module docstring)."""
+    try:
+        write(source, str(path), **kwargs)
+    except SafetensorError as e:
+        found = _OS_ERROR.search(str(e))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from None
+
+
 def save(
     run_dir: Path,
     step: int,
@@ -129,7 +150,7 @@ def save(
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_model(model, str(tmp / "model.safetensors"))
+    _written(save_model, model, tmp / "model.safetensors")
     state = optimizer.state_dict()
     tensors = {
         f"optim.{idx}.{name}": value.detach().cpu().contiguous()
@@ -146,7 +167,7 @@ def save(
     }
     if run is not None:
         metadata["run"] = json.dumps(run, sort_keys=True)
-    save_file(tensors, str(tmp / "trainer.safetensors"), metadata=metadata)
+    _written(save_file, tensors, tmp / "trainer.safetensors", metadata=metadata)
     for name in FILES:
         files.fsync_file(tmp / name)
     return _publish(tmp, _manifest(tmp), keep)
@@ -317,7 +338,7 @@ def save_sharded(
     if ranks.main:
         metadata.update(run=json.dumps(run, sort_keys=True), world_size=str(ranks.world_size))
     own = tmp / RANK_FILE.format(ranks.rank)
-    save_file(tensors, str(own), metadata=metadata)
+    _written(save_file, tensors, own, metadata=metadata)
     files.fsync_file(own)
     ranks.barrier()  # every rank's files are whole before rank 0 lists them
 

@@ -20,7 +20,8 @@ Runs live in `OUT/NAME` (in `OUT/runs/NAME` for a comparison begun before, one w
 the checks of `train --resume`), and one with another config is an error, so rerunning
 `compare` after a crash or a `max_minutes` pause continues where it stopped, and `--only NAME`
 lets separate processes (one per GPU) fill the same comparison before a last plain `compare`
-writes the report.
+writes the report. Each run it trains records what the machine gave it (train/machine.py), so
+that the report can mark a speed that other processes distorted.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import blockscale.recipes as recipes
+from blockscale.train import machine
 from blockscale.train.config import TrainConfig, differences
 from blockscale.train.errors import UsageError
 from blockscale.train.loop import train
@@ -107,8 +109,10 @@ def run_variant(name: str, cfg: TrainConfig, out: Path, progress: bool = True) -
         if summary_path.exists() and json.loads(summary_path.read_text())["status"] == "done":
             print(f"{name}: finished run found in {run_dir}, reused")
             return json.loads(summary_path.read_text())
-        return train(cfg, run_dir, resume=True, progress=progress)
-    return train(cfg, run_dir, progress=progress)
+        with machine.record(run_dir):
+            return train(cfg, run_dir, resume=True, progress=progress)
+    with machine.record(run_dir):
+        return train(cfg, run_dir, progress=progress)
 
 
 def compare(

@@ -84,8 +84,8 @@ class TrainConfig:
     weight_cache: bool = _f(
         True,
         "keep each converted weight's quantized copies to the next optimizer step once a step "
-        "makes one of them twice, e.g. with grad accumulation (the same bits; off: quantize at "
-        "every use)",
+        "makes one of them twice, e.g. with grad accumulation (the same bits; the loop changes "
+        "weights only through its optimizer; off: quantize at every use)",
     )
     bf16_final_fraction: float = _f(
         0.0, "precision schedule: train the last fraction of steps in BF16", FRACTION
@@ -157,11 +157,31 @@ class TrainConfig:
             raise UsageError(f"cannot read run config {path}: {e}") from None
         if not isinstance(values, dict):
             raise UsageError(f"run config {path} is not a JSON object")
-        known = {f.name for f in dataclasses.fields(cls)}
+        problem = foreign_config(values)
+        if problem is not None:
+            raise UsageError(f"{path.parent} is not a blockscale run: its {path.name} {problem}")
         try:
-            return cls(**{k: v for k, v in values.items() if k in known})
+            return cls(**values)
         except UsageError as e:
             raise UsageError(f"run config {path}: {e}") from None
+
+
+def foreign_config(values: object) -> str | None:
+    """Why parsed JSON is not a blockscale run's config.json (a phrase after "its
+    config.json"), or None. A run's holds TrainConfig's fields and nothing else (no field has
+    been retired, so every run's config.json qualifies): one with other keys, or none, is
+    another program's, like a transformers model's, which `train --resume` once read as a run
+    of defaults and then overwrote (issue 60)."""
+    if not isinstance(values, dict):
+        return "is not a JSON object"
+    if not values:
+        return "holds no run settings"
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    foreign = sorted(set(values) - known)
+    if not foreign:
+        return None
+    listed = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+    return f"has keys that are not run settings ({listed})"
 
 
 _HINTS = typing.get_type_hints(TrainConfig)

@@ -14,9 +14,18 @@ flag). Executables, images, archives and UTF-16 text all trained to "done" witho
 before, on a corpus that was not what the user meant. A file that cannot be read or
 decompressed (a corrupt `.gz`) is one error naming the file, not a traceback.
 
-Held-out split: a directory whose file names start with `train` and `val` is split by those names
-(the layout of `shared/data/text/`). Otherwise every 50th block of 4 KiB is held out, so the
-validation text is spread over the whole corpus rather than taken from its last file.
+Held-out split: a directory that holds both training and validation files by name is split by
+those names (the layout of `shared/data/text/`). A split name is a file name whose stem (the name
+less `.txt` / `.txt.gz`) is `train`, `val`, `valid` or `validation` (any case), alone or followed
+by a separator (`-`, `_`, `.`) and anything: `train.txt.gz`, `train-00.txt`, `val_1.txt`,
+`validation.part2.txt`. A name that only begins with those letters is no split name:
+`trains_of_europe.txt` and `valley_walks.txt` are ordinary text, where matching by prefix once
+split them off and dropped every other file without a word (issue 60). Files of a split folder
+that are neither (`README.txt`, `test.txt`) are left out, and `Corpus.left_out` names them so
+that the training run says so. Otherwise every 50th block of 4 KiB is held out, so the
+validation text is spread over the whole corpus rather than taken from its last file; a corpus
+under 50 blocks (200 KiB) holds out nothing, which a run that evaluates refuses before training
+(`check_evaluable`).
 
 Batches are a pure function of (seed, step, micro-batch): each draws random windows from its own
 generator. Every recipe of a comparison therefore sees the same data in the same order, and a
@@ -29,7 +38,7 @@ import gzip
 import re
 import sysconfig
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,6 +52,8 @@ BINARY_FRACTION = 0.05
 TEXT_PROBE = 1 << 20
 # Decoded with surrogateescape, a byte of no valid UTF-8 sequence is one of U+DC80..U+DCFF.
 _NOT_TEXT = re.compile("[\x00-\x08\x0e-\x1f\x7f\udc80-\udcff]")
+# A stem that names a split (module docstring): the word, alone or before a separator.
+_SPLIT_NAME = re.compile(r"(train|val|valid|validation)(?:[-_.].*)?", re.IGNORECASE)
 
 
 class ByteTokenizer:
@@ -136,16 +147,29 @@ class Corpus:
     train: torch.Tensor  # uint8 [N]
     val: torch.Tensor  # uint8 [M]
     source: str
+    left_out: list[Path] = field(default_factory=list)  # files a split by name does not read
+
+
+def split_of(path: Path) -> str | None:
+    """The split a text file's name names (module docstring): "train", "val", or None."""
+    if not path.name.endswith((".txt", ".txt.gz")):
+        return None
+    found = _SPLIT_NAME.fullmatch(path.name.removesuffix(".gz").removesuffix(".txt"))
+    if found is None:
+        return None
+    return "train" if found.group(1).lower() == "train" else "val"
 
 
 def load_corpus(spec: str, max_bytes: int = 0, binary_ok: bool = False) -> Corpus:
     """Read a corpus and split it; `max_bytes` > 0 keeps only that many bytes of training text;
     `binary_ok`: accept files that do not look like text."""
     files = text_files(spec)
-    train_files = [f for f in files if f.name.startswith("train")]
-    val_files = [f for f in files if f.name.startswith("val")]
+    train_files = [f for f in files if split_of(f) == "train"]
+    val_files = [f for f in files if split_of(f) == "val"]
+    left_out: list[Path] = []
     if len(files) > 1 and train_files and val_files:
         train, val = _concat(train_files, binary_ok), _concat(val_files, binary_ok)
+        left_out = [f for f in files if split_of(f) is None]
     else:
         tokens = _concat(files, binary_ok)
         n_blocks = -(-tokens.numel() // HOLDOUT_BLOCK)
@@ -157,7 +181,20 @@ def load_corpus(spec: str, max_bytes: int = 0, binary_ok: bool = False) -> Corpu
         raise UsageError(f"data {spec!r} is empty: its {len(files)} file(s) hold no text")
     if max_bytes > 0:
         train = train[:max_bytes]
-    return Corpus(train=train, val=val, source=spec)
+    return Corpus(train=train, val=val, source=spec, left_out=left_out)
+
+
+def left_out_notice(corpus: Corpus) -> str | None:
+    """The line a training run prints when a split by name leaves files out, else None."""
+    if not corpus.left_out:
+        return None
+    names = [str(f.relative_to(corpus.source)) for f in corpus.left_out]
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return (
+        f"data {corpus.source} is split by file name into train and val files, so "
+        f"{len(names)} other file(s) are not read: {', '.join(names[:3])}{more} (name them "
+        "train-*.txt or val-*.txt to use them, or move them out of the folder)"
+    )
 
 
 def batch_seed(*values: int) -> int:
@@ -188,6 +225,30 @@ class Batches:
         )
         window = self.tokens[starts[:, None] + self.offsets].long()
         return window[:, :-1], window[:, 1:]
+
+
+def check_evaluable(corpus: Corpus, seq_len: int, max_tokens: int = 0) -> None:
+    """Refuse, before a run that evaluates trains a step, held-out text too short for one
+    evaluation window (what `eval_windows` needs). Text under 50 blocks of 4 KiB holds out
+    nothing: such a run trained every step and then failed at its final evaluation, before its
+    last checkpoint (issue 60)."""
+    held = corpus.val.numel()
+    usable = held if max_tokens <= 0 else min(held, max_tokens + 1)
+    if usable >= seq_len + 1:
+        return
+    if held >= seq_len + 1:
+        raise UsageError(
+            f"eval_tokens={max_tokens} is shorter than one evaluation window: seq_len={seq_len} "
+            f"needs at least {seq_len}; raise --eval-tokens (0: all held-out text)"
+        )
+    raise UsageError(
+        f"data {corpus.source!r} holds out {held:,} bytes for evaluation and seq_len={seq_len} "
+        f"needs at least {seq_len + 1} (without a val file every {HOLDOUT_EVERY}th block of "
+        f"{HOLDOUT_BLOCK:,} bytes is held out: text under {HOLDOUT_EVERY * HOLDOUT_BLOCK // 1024} "
+        "KiB holds out none); "
+        "give more text or a val file (docs/TRAINING.md, Data), or pass --eval-every 0 to "
+        "train without evaluating"
+    )
 
 
 def eval_windows(tokens: torch.Tensor, seq_len: int, max_tokens: int = 0):

@@ -150,14 +150,23 @@ class RunLock:
         self.fd = None
 
 
-def one_writer(train):
+def one_writer(check):
     """Decorate `train(cfg, run_dir, resume=False, ..., fsdp, ep, tp)` to hold `RunLock` on
     `run_dir` while it runs (rank 0 of a torchrun launch alone). A fresh run's folder is made
     here, so the lock exists before anything else: a folder this call made and that holds
     nothing else when it ends is removed again (a start that failed leaves no empty folder).
-    Where `train` would refuse before writing (no folder to resume, `run_dir` a file) no lock
-    is taken, so its own message comes out."""
+    `check(run_dir)` runs first, on every rank, and refuses a folder that no run may write
+    into (someone else's files) before anything is made or locked in it. Where `train` would
+    refuse before writing (no folder to resume, `run_dir` a file) no lock is taken, so its own
+    message comes out."""
 
+    def decorate(train):
+        return _locked(train, check)
+
+    return decorate
+
+
+def _locked(train, check):
     signature = inspect.signature(train)
 
     @functools.wraps(train)
@@ -166,6 +175,7 @@ def one_writer(train):
         call.apply_defaults()
         given = call.arguments
         run_dir = Path(given["run_dir"])
+        check(run_dir)
         distributed = given["fsdp"] or given["ep"] or given["tp"]
         rank0 = not distributed or os.environ.get("RANK", "0") == "0"
         if not rank0 or (given["resume"] and not run_dir.is_dir()) or run_dir.is_file():

@@ -6,7 +6,8 @@ and `finish`. One process or several ranks (--fsdp, --tp, --ep) differ only in t
 (train/parallel.py), never by a branch in the loop.
 
 A run directory holds `config.json`, `metrics.jsonl` (one JSON object a line), `checkpoints/`
-and, once the loop stops, `summary.json`. Metric rows carry a `kind`:
+and, once the loop stops, `summary.json`; a folder holding anything else and no run's
+`config.json` is someone else's, and no run writes into it (`check_not_foreign`). Metric rows carry a `kind`:
 
 - `train`: `loss` (mean over the steps since the previous row), `lr`, `grad_norm`, `tokens`,
   `tokens_per_s` (training time only: evaluation, telemetry and checkpoints excluded), `time`
@@ -26,9 +27,9 @@ costs no synchronization: they are summed on the device and read when a row is w
 Every row carries `step`, the number of optimizer steps completed. All rows of a step are
 written before that step's checkpoint, so resuming from the checkpoint at step s first drops the
 rows past s and then writes them again: the metrics of an interrupted run end up the same as an
-uninterrupted one's. SIGINT/SIGTERM (Ctrl-C) finish the current step, checkpoint and stop; a
-second Ctrl-C stops at once. `max_minutes` stops the same way, for machines that lend time in
-slices: rerun with `--resume` to continue.
+uninterrupted one's. SIGINT/SIGTERM (Ctrl-C) finish the current step, checkpoint and stop,
+acknowledged on stderr at once; a second SIGINT or SIGTERM stops at once. `max_minutes` stops
+the same way, for machines that lend time in slices: rerun with `--resume` to continue.
 
 `train(..., fsdp=True)` is one rank of a torchrun launch (train/ranks.py): the same loop over
 an FSDP2-sharded model, each rank running its share of every step's micro-batches; losses are
@@ -47,9 +48,10 @@ import os
 import signal
 import socket
 import statistics
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -59,8 +61,8 @@ import blockscale.nn as bsnn
 from blockscale.models import moe_layers
 from blockscale.ops import EXACT_INDUCTOR_OPTIONS
 from blockscale.train import build, checkpoint, files, step_time, telemetry
-from blockscale.train.config import RESUMABLE, TrainConfig, differences
-from blockscale.train.data import Batches, load_corpus
+from blockscale.train.config import RESUMABLE, TrainConfig, differences, foreign_config
+from blockscale.train.data import Batches, check_evaluable, left_out_notice, load_corpus
 from blockscale.train.errors import UsageError
 from blockscale.train.evaluate import evaluate
 from blockscale.train.parallel import OneProcess, parallelism
@@ -128,10 +130,18 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 class _StopRequest:
-    """First SIGINT/SIGTERM: finish the step, checkpoint, stop. Second SIGINT: stop now."""
+    """First SIGINT/SIGTERM: finish the step, checkpoint, stop, and say so at once: a step can
+    take minutes, and a signal that nothing acknowledged looked ignored (issue 60). Second
+    SIGINT or SIGTERM: stop now, without a checkpoint (KeyboardInterrupt); a scheduler's or
+    `timeout`'s second SIGTERM was ignored too, and the step ran on for minutes.
 
-    def __init__(self) -> None:
+    `notice(signal name)`: the acknowledgement, written straight to stderr's file descriptor
+    (a handler may run while the main thread is inside a buffered write, which `print` would
+    enter again); None: say nothing (ranks other than 0)."""
+
+    def __init__(self, notice: Callable[[str], str] | None = None) -> None:
         self.requested = False
+        self.notice = notice
         self._old: dict = {}
 
     def __enter__(self):
@@ -141,9 +151,11 @@ class _StopRequest:
         return self
 
     def _handle(self, signum, frame) -> None:
-        if self.requested and signum == signal.SIGINT:
+        if self.requested:
             raise KeyboardInterrupt
         self.requested = True
+        if self.notice is not None:
+            os.write(2, (self.notice(signal.Signals(signum).name) + "\n").encode())
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._old.items():
@@ -152,6 +164,7 @@ class _StopRequest:
 
 def _say(message: str, bar) -> None:
     (bar.write if bar is not None else print)(message)
+    sys.stdout.flush()  # a log file or pipe sees it now, not when the buffer fills
 
 
 def saved_config(run_dir: Path) -> TrainConfig:
@@ -190,7 +203,46 @@ def check_run_dir(cfg: TrainConfig, run_dir: Path, resume: bool) -> None:
         )
 
 
-@files.one_writer  # one process writes a run folder: the others are refused (files.py)
+# What a run writes into its folder, besides the temporaries `.NAME.tmp` of its atomic writes.
+RUN_ENTRIES = frozenset(
+    {"config.json", "metrics.jsonl", "summary.json", "checkpoints", files.LOCK_NAME}
+)
+
+
+def check_not_foreign(run_dir: Path) -> None:
+    """Refuse a folder that is not a blockscale run's, before anything is made or written in
+    it: one whose config.json is another program's (config.foreign_config), or, without a
+    config.json, one that holds anything a run does not write. A new or empty folder, and a
+    run's (other files beside its config.json included), pass. Before, `train --out DIR`
+    overwrote a foreign config.json and deleted a summary.json, and `--resume` on a
+    transformers model's folder trained a run of defaults over its config (issue 60)."""
+    if not run_dir.is_dir():
+        return
+    config = run_dir / "config.json"
+    if config.exists():
+        try:
+            values = json.loads(config.read_text())
+        except (OSError, UnicodeDecodeError, ValueError):
+            values = None  # not JSON: not a run's
+        problem = foreign_config(values)
+        if problem is not None:
+            raise UsageError(
+                f"{run_dir} is not a blockscale run: its config.json {problem}; choose another "
+                "--out (a new or empty folder), and nothing in this one is touched"
+            )
+        return
+    temporaries = {f".{name}.tmp" for name in RUN_ENTRIES}
+    others = sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_ENTRIES | temporaries)
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise UsageError(
+            f"{run_dir} is not a blockscale run: it has no config.json and holds what no run "
+            f"writes ({shown}); choose another --out (a new or empty folder), and nothing in "
+            "this one is touched"
+        )
+
+
+@files.one_writer(check_not_foreign)  # one process writes a run folder (files.py), only a run's
 def train(
     cfg: TrainConfig,
     run_dir: Path,
@@ -266,6 +318,9 @@ class Trainer:
         self.ranks = mode.ranks
         self.metrics = Metrics(run_dir / "metrics.jsonl", enabled=self.ranks.main)
         corpus = load_corpus(cfg.data, cfg.max_data_bytes, binary_ok=cfg.binary_data)
+        if cfg.eval_every:  # refused before anything is built or trained
+            check_evaluable(corpus, build.build_model_config(cfg).seq_len, cfg.eval_tokens)
+        self.data_notice = left_out_notice(corpus)
         self.model, self.recipe = build.build_model(cfg, device)
         mode.parallelize(self.model, self.recipe, cfg, device)
         self.val_data, self.seq_len = corpus.val, self.model.config.seq_len
@@ -285,6 +340,8 @@ class Trainer:
         self.memory = _PeakMemory(device)
         self.bar = None
         self.n_params = 0  # the whole model's, counted when the run begins
+        self.step_now = self.micro_done = 0  # where the loop is (a stop request says it)
+        self.first_step = step_time.FirstStep(0, device, None, True)  # (timed once begun)
         self.time = _TrainingTime()
 
     def resume(self) -> None:
@@ -319,7 +376,7 @@ class Trainer:
         self.begin(progress)
         status, step, started = "done", self.start, time.perf_counter()
         try:
-            with _StopRequest() as stop:
+            with _StopRequest(self.stop_notice if self.ranks.main else None) as stop:
                 for step in range(self.start, cfg.steps):
                     lr, grad_norm = self.train_step(step)
                     done = self.reached = step + 1
@@ -336,14 +393,16 @@ class Trainer:
                             break
                     self.time.pause()  # evaluation, telemetry and checkpoints are not training
                     self.memory.training()  # the steps' peak so far, before evaluation and probes
-                    if _due(cfg.eval_every, done, last):
-                        self.evaluate_held_out(done)
-                    if _due(cfg.telemetry_every, done, last):
-                        self.probe_numerics(done)
+                    with self.checkpointed_on_failure(done):
+                        if _due(cfg.eval_every, done, last):
+                            self.evaluate_held_out(done)
+                        if _due(cfg.telemetry_every, done, last):
+                            self.probe_numerics(done)
                     # Every rank stops at the same step (each checkpoints with the others).
                     stopping, out_of_time = self.ranks.any(
                         stop.requested, self.out_of_time(started), device=self.device
                     )
+                    self.step_now, self.micro_done = done, 0  # a request from now: the next step
                     if last or stopping or out_of_time or _due(cfg.ckpt_every, done, last):
                         self.save_checkpoint(done)
                     self.memory.restart()  # the next steps' peak starts here
@@ -366,9 +425,12 @@ class Trainer:
     def begin(self, progress: bool) -> None:
         """Open the progress bar, say what the run is, and probe a fresh run's initial weights."""
         cfg = self.cfg
+        said = False
         if self.ranks.main:  # a step over a minute is said before the bar (step_time.py)
+            if self.data_notice is not None:
+                print(self.data_notice, flush=True)
             per_rank = self.tokens_per_step // self.ranks.data_ranks
-            step_time.say_if_slow(self.model, self.seq_len, per_rank, self.device)
+            said = step_time.say_if_slow(self.model, self.seq_len, per_rank, self.device)
         if progress and self.ranks.main and tqdm is not None:
             self.bar = tqdm(
                 total=cfg.steps,
@@ -377,6 +439,10 @@ class Trainer:
                 dynamic_ncols=True,
                 desc=self.recipe.name,
             )
+        # ... or, where the estimate missed it, seconds into the first step, once timed
+        micro_batches = len(self.ranks.micro_batches(cfg.grad_accum))
+        say = self.say if self.ranks.main else None
+        self.first_step = step_time.FirstStep(micro_batches, self.device, say, said)
         self.n_params = self.mode.count_params(self.model)
         self.say(
             f"{self.run_dir}: model {cfg.model} ({self.n_params / 1e6:.2f}M params), recipe "
@@ -400,8 +466,11 @@ class Trainer:
         lr = build.lr_at(cfg, step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self.step_now, self.micro_done = step, 0
         for micro in self.ranks.micro_batches(cfg.grad_accum):
             self.forward_backward(*self.batches.get(step, micro))
+            self.micro_done += 1
+            self.first_step.tick()
         clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         grad_norm = self.mode.sync_and_clip_grads(self.model, clip)
         self.optimizer.step()
@@ -490,6 +559,42 @@ class Trainer:
         if self.memory.enabled:  # the probe runs eagerly, off the training path
             row["peak_gib"] = self.memory.since_restart()
         self.metrics.write(row)
+
+    def stop_notice(self, signal_name: str) -> str:
+        """The line that acknowledges a first SIGINT/SIGTERM: where the run is, what it does
+        next, and how long the step has to go where the first step was timed."""
+        step, micro_batches = self.step_now + 1, self.first_step.micro_batches
+        where = f"step {step} of {self.cfg.steps}"
+        if 0 < self.micro_done < micro_batches:
+            left = self.first_step.left(self.micro_done)
+            to_go = f"; about {step_time.duration(left)} to go" if left is not None else ""
+            where += f" (micro-batch {self.micro_done:,} of {micro_batches:,} done{to_go})"
+        below_bar = "\n" if self.bar is not None else ""
+        return (
+            f"{below_bar}{signal_name} received: the run stops after {where}, writes a "
+            "checkpoint and exits; a second SIGINT or SIGTERM stops it at once, without that "
+            "checkpoint (--resume then goes on from the one before)"
+        )
+
+    @contextlib.contextmanager
+    def checkpointed_on_failure(self, step: int) -> Iterator[None]:
+        """Within: what runs after step `step` (evaluation, the probe). Where it fails with an
+        error, the checkpoint of `step` is written before the error goes on, so no trained
+        step is lost to it: a final evaluation that failed ended a run with every step trained
+        and none checkpointed (issue 60). One process only: a sharded checkpoint is collective,
+        and a rank that failed alone would leave the others waiting in it."""
+        try:
+            yield
+        except Exception as e:
+            if self.ranks.sharded:
+                raise
+            self.save_checkpoint(step)
+            if isinstance(e, UsageError):
+                raise UsageError(
+                    f"{e} (after step {step}, which is checkpointed: fix that and rerun with "
+                    "--resume)"
+                ) from None
+            raise
 
     def out_of_time(self, started: float) -> bool:
         minutes = (time.perf_counter() - started) / 60

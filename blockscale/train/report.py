@@ -13,6 +13,11 @@ begun before runs sat directly in OUT keeps them all in `OUT/runs/NAME`, see `va
 - `telemetry_NAME.png`: per run, one heatmap per quantized operand, layer x step, of the SQNR;
 - `report.json`: the table, for docs and scripts.
 
+A speed is only as good as the machine that gave it: a run whose threads waited for a free CPU
+core (train/machine.py, recorded by `compare`) or whose speed moved by more than SPREAD between
+logging intervals is marked *unreliable* in both speed columns, with one sentence a run saying
+why under the table.
+
 The relative gap compares losses at the same step, so every run must share the batches (which
 `compare` guarantees). matplotlib is imported only here, and only when plotting.
 """
@@ -29,6 +34,7 @@ import torch
 
 from blockscale import recipes
 from blockscale.models import SIZES
+from blockscale.train import machine
 from blockscale.train.loop import read_metrics
 
 BASELINE = "bf16"
@@ -61,7 +67,13 @@ def load_run(run_dir: Path) -> dict:
             "tokens_per_s": statistics.median(rates) if rates else None,
         }
     config = json.loads((run_dir / "config.json").read_text())
-    return {"name": run_dir.name, "config": config, "summary": summary, "rows": rows}
+    return {
+        "name": run_dir.name,
+        "config": config,
+        "summary": summary,
+        "rows": rows,
+        "machine": machine.summarize(machine.read(run_dir)),
+    }
 
 
 def _gap(value: float | None, base: float | None) -> float | None:
@@ -136,14 +148,45 @@ def shared_pct(run: dict, runs: list[dict]) -> float | None:
     return 100.0 * overlap / total if total > 0 else None
 
 
+# A run whose interval speeds (after the first, which holds warm-up) span more than this
+# factor was slowed for part of its time by something other than its recipe: on an idle
+# machine a tiny CPU run's intervals stay within SPREAD_IDLE of each other.
+SPREAD = 2.0
+
+
+def speed_spread(run: dict) -> tuple[float, float] | None:
+    """(slowest, fastest) tokens/s of a run's logging intervals after the first, or None
+    with fewer than two."""
+    rates = [r.get("tokens_per_s") for r in run["rows"] if r["kind"] == "train"][1:]
+    rates = [r for r in rates if r is not None and r > 0]
+    return (min(rates), max(rates)) if len(rates) >= 2 else None
+
+
+def unreliable(run: dict) -> str | None:
+    """Why a run's speed is distorted (the end of a sentence), or None."""
+    reasons = []
+    waited = machine.withheld(run.get("machine"))
+    if waited:
+        reasons.append(waited)
+    spread = speed_spread(run)
+    if spread and spread[1] > SPREAD * spread[0]:
+        reasons.append(
+            f"its speed moved {spread[1] / spread[0]:.1f}x between logging intervals "
+            f"({spread[0]:,.0f} to {spread[1]:,.0f} tokens/s)"
+        )
+    return "; ".join(reasons) or None
+
+
 def table(runs: list[dict]) -> list[dict]:
     base = next((r["summary"] for r in runs if r["name"] == BASELINE), {})
     shared_of = {run["name"]: shared_pct(run, runs) for run in runs}
+    why_of = {run["name"]: unreliable(run) for run in runs}
     rows = []
     for run in runs:
         s = run["summary"]
         speed = s.get("tokens_per_s")
         shared = shared_of[run["name"]]
+        measured = run.get("machine") or {}
         # Only speeds known to be measured alone compare: a run without timestamps may have
         # shared the device, and so may a BF16 baseline without them.
         alone = all(p is not None and p < SHARED_PCT for p in (shared, shared_of.get(BASELINE)))
@@ -158,6 +201,12 @@ def table(runs: list[dict]) -> list[dict]:
                 "speed_vs_bf16": speed / base["tokens_per_s"]
                 if speed and base.get("tokens_per_s") and alone
                 else None,
+                # What the machine gave the run (None: not recorded), and why its speed is
+                # distorted; a ratio is as unreliable as either of its speeds.
+                "waited_pct": measured.get("waited_pct"),
+                "others_cores": measured.get("others_cores"),
+                "unreliable": why_of[run["name"]],
+                "ratio_unreliable": bool(why_of[run["name"]] or why_of.get(BASELINE)),
                 "peak_memory_gib": s.get("peak_memory_gib"),
                 # Train rows carry the training steps' own peak; before they did, the summary
                 # held the process's peak since its last start, evaluation and probes included.
@@ -185,8 +234,11 @@ def _cells(row: dict) -> list[str]:
             f" (shared {row['shared_pct']:.0f}%)"
             if row.get("shared_pct") is not None and row["shared_pct"] >= SHARED_PCT
             else ""
-        ),
-        _fmt(row["speed_vs_bf16"], ".2f") + ("x" if row["speed_vs_bf16"] is not None else ""),
+        )
+        + (" (unreliable)" if row.get("unreliable") and row["tokens_per_s"] else ""),
+        _fmt(row["speed_vs_bf16"], ".2f")
+        + ("x" if row["speed_vs_bf16"] is not None else "")
+        + (" (unreliable)" if row.get("ratio_unreliable") and row["speed_vs_bf16"] else ""),
         _fmt(row["peak_memory_gib"], ".2f", "n/a (CPU)"),
         row["status"],
     ]
@@ -225,6 +277,31 @@ def _speed_note(rows: list[dict]) -> str:
             + "."
         )
     return note
+
+
+def reliability_lines(rows: list[dict]) -> list[str]:
+    """Under the table: one sentence a run whose speed is distorted, and the runs nobody
+    checked."""
+    distorted = [r for r in rows if r.get("unreliable")]
+    lines = []
+    if distorted:
+        lines += [
+            "**Unreliable speeds**: these runs did not have the machine to themselves, so their "
+            "tokens/s and every ratio to them measure the machine more than the recipe (rerun "
+            "on an idle machine to compare speeds):",
+            "",
+            *[f"- `{r['run']}`: {r['unreliable']}." for r in distorted],
+        ]
+    unchecked = [r["run"] for r in rows if r.get("waited_pct") is None]
+    if unchecked:
+        lines += [
+            "",
+            "Not checked for other processes' load (no record of what the machine gave them: "
+            "runs from before that record, or not on Linux): "
+            + ", ".join(f"`{n}`" for n in unchecked)
+            + ".",
+        ]
+    return [*lines, ""] if lines else []
 
 
 def _memory_note(rows: list[dict]) -> str:
@@ -431,7 +508,7 @@ def plot(out: Path, runs: list[dict]) -> list[tuple[str, str]]:
     for ax, title in ((ax_train, "training loss (EMA)"), (ax_val, "held-out loss")):
         ax.set(title=title, xlabel="step", ylabel="loss (nats/byte)")
         ax.grid(alpha=0.3)
-    ax_val.legend(fontsize=8)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "loss_curves.png", dpi=110)
     plt.close(fig)
@@ -471,7 +548,7 @@ def plot(out: Path, runs: list[dict]) -> list[tuple[str, str]]:
                 title=f"{'held-out' if kind == 'eval' else 'training (EMA)'} loss vs BF16",
             )
             ax.grid(alpha=0.3)
-        ax_val.legend(fontsize=8)
+            ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out / "gap_to_bf16.png", dpi=110)
         plt.close(fig)
@@ -543,10 +620,8 @@ def write_report(out: Path, names: list[str]) -> Path:
         plot_note = ""
     except ImportError:
         plots, plot_note = [], "Plots skipped: matplotlib is not installed.\n"
-    cfg = runs[0]["config"]
-    tokens_per_step = (
-        cfg["batch_size"] * cfg["grad_accum"] * (cfg["seq_len"] or _model_seq_len(cfg["model"]))
-    )
+    cfg = _as_used(runs[0]["config"])
+    tokens_per_step = cfg["batch_size"] * cfg["grad_accum"] * cfg["seq_len"]
     devices = sorted({r["summary"].get("device", "?") for r in runs})
     # The runs' own torch (a report may be written on another machine than the one that trained).
     versions = sorted({r["summary"]["torch"] for r in runs if "torch" in r["summary"]})
@@ -563,6 +638,7 @@ def write_report(out: Path, names: list[str]) -> Path:
         "",
         _markdown_table(HEADER, [_cells(r) for r in rows]),
         "",
+        *reliability_lines(rows),
         *[
             f"Noise floor: `{r['run']}` ends {r['gap_pct']:+.2f}% from `bf16` with nothing but "
             "another seed. That is one sample of the seed-to-seed spread: a recipe's gap of "
@@ -599,7 +675,7 @@ def write_report(out: Path, names: list[str]) -> Path:
     lines += _moe_section(runs)
     lines += ["## Runs", ""]
     for run in runs:
-        differs = {k: v for k, v in run["config"].items() if v != cfg.get(k)}
+        differs = {k: v for k, v in _as_used(run["config"]).items() if v != cfg.get(k)}
         detail = run["summary"].get("recipe_detail", run["config"]["recipe"])
         lines += [
             f"- `{run['name']}`: {json.dumps(differs) if differs else 'the first run'}",
@@ -609,11 +685,19 @@ def write_report(out: Path, names: list[str]) -> Path:
             "```",
             "",
         ]
-    lines += ["Shared configuration:", "", "```json", json.dumps(cfg, indent=2), "```", ""]
+    lines += [
+        "Shared configuration (`seq_len` as used: a config's 0 is the model's own):",
+        "",
+        "```json",
+        json.dumps(cfg, indent=2),
+        "```",
+        "",
+    ]
     (out / "report.md").write_text("\n".join(lines))
     (out / "report.json").write_text(json.dumps({"config": cfg, "table": rows}, indent=2) + "\n")
     return out / "report.md"
 
 
-def _model_seq_len(model: str) -> int:
-    return SIZES[model].seq_len
+def _as_used(config: dict) -> dict:
+    """A run's config with the values it ran with: `seq_len` 0 means the model's own."""
+    return {**config, "seq_len": config.get("seq_len") or SIZES[config["model"]].seq_len}
