@@ -157,7 +157,11 @@ def _is_experts(module: torch.nn.Module, fqn: str) -> bool:
 
 
 def build(
-    spec: MoESpec, recipe: str, seq_len: int, device: torch.device, bf16_tail_fraction: float
+    spec: MoESpec,
+    recipe: str,
+    seq_len: int,
+    device: torch.device,
+    bf16_tail_fraction: float = 0.15,
 ) -> torch.nn.Module:
     """The model (FP32, on `device`, seeded), made to run `recipe`."""
     import transformers  # noqa: PLC0415 (optional)

@@ -144,7 +144,9 @@ def _model(
     from small random values on the CPU reference path."""
     if name in bench_moe_model.MODELS:
         spec = bench_moe_model.MODELS[name]
-        return bench_moe_model.build(spec, recipe, seq_len, torch.device("meta")).to_empty(
+        # every block quantized, as this tool's rows were measured (bench_moe_model.py)
+        meta = torch.device("meta")
+        return bench_moe_model.build(spec, recipe, seq_len, meta, bf16_tail_fraction=0.0).to_empty(
             device="cpu"
         )
     model, _ = build(MODELS[name], None, seq_len, torch.device("meta"))
