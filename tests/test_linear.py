@@ -28,6 +28,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+# The kernel path on CPU tensors (Triton's interpreter, wrap_triton stubbed under tracing).
+from test_compile import kernel_path_on_cpu  # noqa: F401
+
 import blockscale
 from blockscale import recipes
 from blockscale.formats import hadamard, mxfp8, nvfp4
@@ -613,6 +616,92 @@ def test_second_derivative_of_grad_weight_with_respect_to_the_input_raises():
     (gw,) = torch.autograd.grad(out.sum(), w, create_graph=True)
     with pytest.raises(NotImplementedError, match=r"input \[24, 64\], weight \[32, 64\], nvfp4"):
         gw.pow(2).sum().backward()
+
+
+# ------------------------------------------------------------------ outputs changed in place
+#
+# transformers' Llama 4 adds its routed experts into the shared expert's output in place
+# (issue 61). A converted layer's output must take that as F.linear's does: it was a view made
+# inside the autograd Function (a reshape of the GEMM's [M, N], even to the same shape), which
+# autograd refuses to change in place.
+
+DETERMINISTIC = recipes.get("nvfp4", stochastic_rounding=False)
+
+
+def _changed_in_place(out, y):
+    out.add_(y)
+    out[..., :8].mul_(2)  # and a view of it
+    return out
+
+
+def _changed_out_of_place(out, y):
+    out = out + y
+    return torch.cat([out[..., :8] * 2, out[..., 8:]], dim=-1)
+
+
+def _in_and_out_of_place(forward, tensors, y, compiled):
+    """[output, then each of `tensors`' gradients] of `forward()` changed in place (compiled
+    with aot_eager, Dynamo then AOTAutograd, if `compiled`), and of the same change made out of
+    place, eagerly."""
+    results = []
+    for change, compile_it in ((_changed_in_place, compiled), (_changed_out_of_place, False)):
+
+        def step(change=change):
+            return change(forward(), y)
+
+        run = torch.compile(step, backend="aot_eager", fullgraph=True) if compile_it else step
+        for t in tensors:
+            t.grad = None
+        out = run()
+        out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape))
+        results.append([out.detach(), *(t.grad for t in tensors)])
+    return results
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("call", ["module", "function"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("lead", [(24,), (2, 12)], ids=["2d", "3d"])
+def test_output_can_be_changed_in_place(lead, bias, call, compiled):
+    """The gradients are those of the same change made out of place, bit for bit. "module": a
+    converted `blockscale.nn.Linear` (compiled: `compiled_linear`, traced by AOTAutograd);
+    "function": `blockscale.linear` (compiled: traced by Dynamo)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = blockscale.nn.Linear(64, 32, bias=bias, recipe=DETERMINISTIC)
+    x = torch.randn(*lead, 64, requires_grad=True)
+    y = torch.randn(*lead, 32)
+    if call == "module":
+        forward = lambda: layer(x)  # noqa: E731
+    else:
+        forward = lambda: linear(x, layer.weight, layer.bias, DETERMINISTIC)  # noqa: E731
+    tensors = [x, *layer.parameters()]
+    in_place, out_of_place = _in_and_out_of_place(forward, tensors, y, compiled)
+    for name, got, want in zip(["output", "x", "weight", "bias"], in_place, out_of_place):
+        assert torch.equal(got, want), name
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_grouped_mm_output_can_be_changed_in_place(compiled, request):
+    """The same for `blockscale.grouped_mm`. Compiled on the kernel path (Triton's interpreter):
+    the CPU reference reads offs on the host, which a trace cannot."""
+    if compiled:
+        request.getfixturevalue("kernel_path_on_cpu")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x = torch.randn(40, 64, requires_grad=True)
+    weight_t = torch.randn(2, 64, 32, requires_grad=True)
+    offs = torch.tensor([16, 40], dtype=torch.int32)
+    y = torch.randn(40, 32)
+
+    def forward():
+        return blockscale.grouped_mm(x, weight_t, offs, DETERMINISTIC)
+
+    in_place, out_of_place = _in_and_out_of_place(forward, [x, weight_t], y, compiled)
+    for name, got, want in zip(["output", "x", "weight_t"], in_place, out_of_place):
+        assert torch.equal(got, want), name
+    torch._dynamo.reset()
 
 
 # --------------------------------------------------------------------------------- GPU

@@ -3,8 +3,9 @@
 Mixture-of-experts models (transformers 5.x with `experts_implementation="grouped_mm"`, and
 blockscale's own `models/moe.py`) keep their routed experts as 3D parameters, `gate_up_proj`
 [E, 2I, H] and `down_proj` [E, H, I], and multiply by them with `F.grouped_mm(x, w.transpose(-2,
--1), offs=offs)` (or `torch._grouped_mm`). There is no module per GEMM to swap, so `convert`
-must catch the call itself. It does so in three parts:
+-1), offs=offs)` (or `torch._grouped_mm`); transformers' Llama 4 stores them [E, K, N] and
+multiplies with `torch.bmm` ("Batched matmuls" below). There is no module per GEMM to swap, so
+`convert` must catch the call itself. It does so in three parts:
 
 - `GroupedMM(recipe)`: a module with no parameters whose forward is
   `blockscale.grouped_mm(input, weight_t, offs, recipe)`, or plain `torch._grouped_mm` when
@@ -14,8 +15,8 @@ must catch the call itself. It does so in three parts:
 - A `TorchFunctionMode` entered around the experts module's forward only. It follows each
   converted parameter through the layout and dtype ops the forward applies to it (transpose,
   `.to(bfloat16)`, ...: any op whose first argument is one and whose result is 3D) and sends a
-  grouped_mm whose weight is one of them to that parameter's `GroupedMM`. Every other call,
-  and every call outside the experts' forward, runs untouched.
+  grouped_mm (or a bmm) whose weight is one of them to that parameter's `GroupedMM`. Every
+  other call, and every call outside the experts' forward, runs untouched.
 - The mode is entered by swapping the instance's class for a generated subclass (cached per
   class, named `Blockscale<Class>`) whose forward runs the original forward inside it. Nothing
   global is patched; other instances of the class are unaffected.
@@ -78,6 +79,29 @@ is the FP32 copy (a compiled step stored it, 4 bytes a value, for the quantize k
 and an FP32 grad_input that the cast's backward then rounded to BF16. At the Mixtral-like shape
 that was 1.75 GiB each way for the down projection's input.
 
+Batched matmuls. transformers' Llama 4 experts (`Llama4TextExperts`, in `Llama4ForCausalLM` and
+the text model of `Llama4ForConditionalGeneration`, 5.x) take no experts_implementation: every
+expert sees every token (the router's scores scale the input; a token an expert does not take
+comes with a zero scale), and the forward multiplies `torch.bmm(input [E, T, K], weight [E, K,
+N])` on the parameters themselves, `gate_up_proj` [E, H, 2I] and `down_proj` [E, I, H], which
+are grouped_mm's weight_t as stored. That bmm is a grouped GEMM of E groups of T tokens. The
+router takes `torch.bmm`, `Tensor.bmm`, `torch.matmul`, `Tensor.matmul` and `@` where the
+second operand is a converted weight (or a tensor computed from one) and both are 3D with the
+same E and K, and sends `input.reshape(E*T, K)` with offs = T, 2T, ..., E*T to the weight's
+`GroupedMM`; the [E*T, N] result comes back as [E, T, N], a tensor of its own (no view), as
+bmm's is. So the bits are `blockscale.grouped_mm`'s on those operands, each expert's tokens
+and weight with their own amax (tests/test_llama4.py). Under autocast the input is quantized
+from its cast to the autocast dtype, the values autocast's bmm computes on (as `linear` takes
+its input), an FP32 master weight from its own dtype, and the output has the autocast dtype,
+as bmm's. A weight kept in high precision (`quantize_enabled` off, the bf16 recipe) runs the
+model's own bmm. Any other batched call on a converted weight (a broadcasting matmul, `out=`,
+the weight as the first operand) runs as it is, and the warning below names the weight if no
+call was routed. Of transformers' classes without an experts_implementation, `convert` routes
+those in `BMM_EXPERTS` (Llama 4's, and their subclasses; their weights' blocks are checked with
+K and N in that order) and logs the rest as left in high precision; any other experts module
+that multiplies its 3D parameters with bmm is routed the same way. Compiled, the bmm is taken
+inside the opaque call as grouped_mm is.
+
 Eager costs one Python `__torch_function__` call per torch op inside the experts forward,
 microseconds against the GEMMs. A whole-module `torch.save(model)` cannot pickle the generated
 class (save the state_dict, which is unchanged). A converted weight that no grouped_mm consumed
@@ -103,7 +127,7 @@ from torch.overrides import TorchFunctionMode
 
 from blockscale import _registry
 from blockscale.ops.grouped_mm import grouped_mm
-from blockscale.ops.linear import output_dtype
+from blockscale.ops.linear import output_dtype, quantized_input_dtype, unaliased
 from blockscale.ops.weight_cache import WeightCache
 from blockscale.recipes import Recipe, require_recipe
 
@@ -139,6 +163,16 @@ _LAYOUT_AND_DTYPE_OPS = frozenset(
         torch.Tensor.mT.__get__,
     }
 )
+
+# Batched matmuls the router takes where the weight operand is a routed 3D parameter (module
+# docstring, "Batched matmuls"): [E, T, K] @ [E, K, N] is a grouped GEMM of E groups of T.
+BATCHED_MM_FUNCTIONS = frozenset(
+    {torch.bmm, torch.Tensor.bmm, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
+)
+
+# transformers' experts classes (by qualified name; a subclass counts) that take no
+# experts_implementation and multiply their 3D parameters, stored [E, K, N], with torch.bmm.
+BMM_EXPERTS = frozenset({"transformers.models.llama4.modeling_llama4.Llama4TextExperts"})
 
 # transformers' own grouped GEMM op, (input [M, K], weight [E, K, N], offs) -> [M, N], a loop of
 # torch.mm: its experts call it instead of grouped_mm for non-BF16 weights under torch.compile.
@@ -235,6 +269,12 @@ def experts_weights(module: nn.Module) -> dict[str, nn.Parameter]:
     if len(n_experts) != 1 or n_experts.pop() < 2:
         return {}
     return weights
+
+
+def is_bmm_experts(module: nn.Module) -> bool:
+    """Whether `module` is one of transformers' experts classes that multiply with bmm
+    (`BMM_EXPERTS`: Llama 4's), whose weights are stored [E, K, N]."""
+    return any(f"{c.__module__}.{c.__qualname__}" in BMM_EXPERTS for c in type(module).__mro__)
 
 
 def route_grouped_mm(module: nn.Module, recipe: Recipe, names: Iterable[str]) -> nn.Module:
@@ -379,9 +419,10 @@ def _routed_body(
     if missing:
         warnings.warn(
             f"{type(module).__name__}: converted expert weights {missing} were not consumed by "
-            "torch._grouped_mm / F.grouped_mm in this forward, so they ran unquantized "
-            "(blockscale routes only grouped_mm calls on the weight or a tensor computed from "
-            "it; for transformers models use experts_implementation='grouped_mm')",
+            "torch._grouped_mm / F.grouped_mm (or a bmm) in this forward, so they ran "
+            "unquantized (blockscale routes only grouped_mm calls, and bmm [E, T, K] @ [E, K, N], "
+            "on the weight or a tensor computed from it; for transformers models use "
+            "experts_implementation='grouped_mm')",
             stacklevel=2,
         )
     return output
@@ -488,6 +529,10 @@ class _GroupedMMRouter(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in GROUPED_MM_FUNCTIONS:
             return self._grouped_mm(func, args, kwargs)
+        if func in BATCHED_MM_FUNCTIONS:
+            out = self._batched_mm(func, args, kwargs)
+            if out is not None:
+                return out
         if _is_transformers_fallback(func):
             return self._grouped_mm(func, args, kwargs, fallback=True)
         out = func(*args, **kwargs)
@@ -499,6 +544,35 @@ class _GroupedMMRouter(TorchFunctionMode):
         elif func in _CASTS and isinstance(out, torch.Tensor) and _widens(args[0], out):
             self.widened[id(out)] = (weakref.ref(out), args[0])
         return out
+
+    def _batched_mm(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """input [E, T, K] @ weight [E, K, N], the weight computed from a converted parameter,
+        as the grouped GEMM of E groups of T tokens (module docstring, "Batched matmuls");
+        None for any other call, which then runs as it is."""
+        if len(args) != 2 or kwargs:
+            return None
+        input, weight = args
+        source = self._source(weight)
+        if (
+            source is None
+            or not isinstance(input, torch.Tensor)
+            or input.dim() != 3
+            or weight.dim() != 3
+            or input.shape[0] != weight.shape[0]
+            or input.shape[2] != weight.shape[1]
+        ):
+            return None
+        name, param = source
+        gmm = self.grouped_mms[name]
+        self.routed.add(name)
+        if not gmm.quantize_enabled or not gmm.recipe.quantized:
+            return func(*args)  # the model's own product, as unconverted
+        experts, tokens, k = input.shape
+        # under autocast, the values autocast's bmm computes on, as `linear` takes them
+        input = input.to(quantized_input_dtype(input, output_dtype(input)))
+        offs = torch.arange(1, experts + 1, device=input.device, dtype=torch.int32) * tokens
+        out = gmm(input.reshape(experts * tokens, k), weight, offs, weight_source=param)
+        return unaliased(out, (experts, tokens, out.shape[-1]))  # bmm's is no view either
 
     def _narrow(self, input: torch.Tensor) -> torch.Tensor | None:
         """The BF16 activation `input` was widened from in this forward, or None. Let go of

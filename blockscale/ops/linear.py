@@ -66,7 +66,9 @@ Tokens: any leading dims are flattened to M. The grad_weight operands are quanti
 so M is zero-padded to the block size when it is not a multiple of it. Zero rows change neither
 a block's amax nor the product (the Hadamard transform is orthogonal and applied to both
 operands), so this is exact; the static dims (K, N) must fit the blocks, which
-`unsupported_reason` checks and `convert` uses to skip layers.
+`unsupported_reason` checks and `convert` uses to skip layers. The output comes back with the
+input's leading dims as a tensor of its own, not a view of the [M, N] product, so a model may
+change it in place as it may F.linear's (`unaliased`; transformers' Llama 4 does).
 
 Dtypes: the output has the autocast dtype when autocast is on for the input's device, else the
 input's dtype; grad_input has the input's dtype, grad_weight the weight's (FP32 master weights
@@ -496,6 +498,18 @@ def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     return _NOTHING
 
 
+def unaliased(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`out` in `shape`, as a tensor that is no view: it shares `out`'s storage (no copy),
+    for a caller that holds `out` nowhere else. Autograd refuses an in-place change to a
+    Function's output that is a view of a tensor made inside the Function (a reshape of the
+    GEMM's [M, N], even to the same shape), and models do change a linear's output in place:
+    transformers' Llama 4 adds its routed experts into the shared expert's output.
+    `aten._unsafe_view` is the reshape `torch.matmul` returns for that reason (the experts
+    router returns its bmm result so too). `contiguous` copies only an output no GEMM here
+    makes."""
+    return torch.ops.aten._unsafe_view(out.contiguous(), shape)
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -574,7 +588,7 @@ class _Linear(torch.autograd.Function):
         ctx.sharded = sharded
         ctx.input_shape, ctx.input_dtype, ctx.weight_dtype = input.shape, input.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return out.reshape(*lead, out.shape[-1])
+        return unaliased(out, (*lead, out.shape[-1]))
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
