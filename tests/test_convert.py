@@ -102,6 +102,72 @@ def test_layer_policy_router_and_named_blocks():
         bsnn.layer_policy(net, blocks="nope")
 
 
+class ConfiguredLinear(nn.Linear):
+    """A subclass that adds only construction (as torchtitan's `Linear` adds a config)."""
+
+    def __init__(self, in_features, out_features):
+        super().__init__(in_features, out_features, bias=False)
+
+
+class ScaledBiasLinear(nn.Linear):
+    """A subclass with a forward of its own: not a plain linear."""
+
+    def forward(self, input):
+        return F.linear(input, self.weight, self.bias / 2)
+
+
+def test_convert_swaps_subclasses_that_keep_linears_forward_and_only_those(caplog):
+    """A subclass that keeps nn.Linear's forward computes F.linear: it is swapped (sharing its
+    Parameters) and computes what a converted nn.Linear computes on the same weights. One with
+    its own forward, and MultiheadAttention's out_proj (read by weight, never called), stay."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict(
+        {
+            "plain": ConfiguredLinear(64, 64),
+            "own_forward": ScaledBiasLinear(64, 64),
+            "attention": nn.MultiheadAttention(64, 4, batch_first=True),
+        }
+    )
+    weight = model["plain"].weight
+    reference = nn.Linear(64, 64, bias=False)
+    reference.weight = weight
+    with caplog.at_level(logging.INFO, logger="blockscale"):
+        bsnn.convert(model, recipes.get("nvfp4"))
+    assert isinstance(model["plain"], bsnn.Linear) and model["plain"].weight is weight
+    assert type(model["own_forward"]) is ScaledBiasLinear
+    out_proj = model["attention"].out_proj
+    assert type(out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
+    assert "converted 1 of 1 linears" in caplog.text
+    x = torch.randn(8, 64)
+    expected = bsnn.convert(nn.Sequential(reference), recipes.get("nvfp4"))(x)
+    assert torch.equal(model["plain"](x), expected)
+
+
+@pytest.mark.parametrize("first", [0, 4])
+def test_layer_policy_finds_blocks_in_a_module_dict(first):
+    """torchtitan keeps its blocks in an nn.ModuleDict keyed "0", "1", ... (a pipeline stage's
+    keys start past 0): found as the block list, by default and by `blocks="layers"`, and its
+    tail kept in BF16 by key."""
+    keys = [str(first + i) for i in range(8)]
+    model = nn.ModuleDict(
+        {
+            "tok_embeddings": nn.Embedding(256, 64),
+            "layers": nn.ModuleDict({k: nn.Sequential(nn.Linear(64, 64)) for k in keys}),
+            "output": nn.Linear(64, 256),
+        }
+    )
+    last = keys[-1]
+    for policy in (bsnn.layer_policy(model), bsnn.layer_policy(model, blocks="layers")):
+        assert policy.blocks == "layers" and policy.bf16_blocks == {int(last)}
+        assert policy(model["layers"][keys[0]][0], f"layers.{keys[0]}.0")
+        assert not policy(model["layers"][last][0], f"layers.{last}.0")
+        assert not policy(model["output"], "output")
+    bsnn.convert(model, recipes.get("nvfp4"), bsnn.layer_policy(model))
+    assert converted_names(model) == {f"layers.{k}.0" for k in keys[:-1]}
+    with pytest.raises(ValueError, match="blocks='output' names no nn.ModuleList"):
+        bsnn.layer_policy(model, blocks="output")
+
+
 def test_convert_skips_layers_that_do_not_fit_and_says_so(caplog):
     model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 40), nn.Linear(40, 64))
     with caplog.at_level(logging.INFO, logger="blockscale"):

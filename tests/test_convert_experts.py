@@ -294,20 +294,27 @@ def test_layer_policy_keeps_the_tail_blocks_experts_bf16(caplog):
     assert "converted 6 of 14 linears and 12 of 14 expert weights" in caplog.text
 
 
-@pytest.mark.xfail(
-    reason="ops.grouped_mm reads offs on the host for quantized recipes on the CPU, which "
-    "AOTAutograd cannot trace inside the experts' compiled call (docs/RECIPES.md, Mixture of "
-    "experts); passes once it is traceable there",
-    raises=torch._dynamo.exc.UserError,
-)
-def test_compiled_quantized_experts_equal_eager():
+@pytest.mark.parametrize("recipe", [RECIPE, recipes.get("nvfp4"), recipes.get("mxfp8")])
+def test_compiled_quantized_experts_equal_eager(recipe):
+    """The real grouped_mm on the CPU, compiled with fullgraph=True (torchtitan compiles each
+    block so): its per-group loops read the offsets on the host, which no trace can follow,
+    so a trace holds them as opaque ops (ops/quantize.py, gemm/grouped.py) and the compiled
+    forward and backward give eager's bits; stochastic rounding too, from the same seed."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = bsnn.convert(MoE().bfloat16(), RECIPE)
+    model = bsnn.convert(MoE().bfloat16(), recipe)
     x = torch.randn(64, DIM, dtype=torch.bfloat16)
-    eager = model(x)
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+    compiled_model = torch.compile(model, fullgraph=True, backend="aot_eager")
+    trained = [p for name, p in model.named_parameters() if "router" not in name]  # (argmax)
+    results = []
+    for run in (model, compiled_model):
+        torch.manual_seed(1)
+        out = run(x)
+        grads = torch.autograd.grad(out.float().square().sum(), trained)
+        results.append((out, grads))
+    (eager, eager_grads), (compiled, compiled_grads) = results
     assert torch.equal(compiled, eager)
+    assert all(torch.equal(c, e) for c, e in zip(compiled_grads, eager_grads, strict=True))
 
 
 @pytest.mark.usefixtures("kernel_path_on_cpu")
@@ -707,10 +714,11 @@ def test_hf_other_experts_implementations_are_left_alone(caplog):
     assert "and 0 of 4 expert weights" in caplog.text
 
 
-def test_hf_experts_without_an_experts_implementation_are_left_alone(caplog):
-    """transformers' Llama 4 experts take no experts_implementation and multiply with bmm: convert
-    must say so and leave them alone, not count them converted and let them run unquantized
-    (the forward's warning would come only at the first step)."""
+def test_hf_llama4_experts_multiply_with_bmm_and_are_routed(caplog):
+    """transformers' Llama 4 experts take no experts_implementation and multiply with bmm on
+    their [E, K, N] parameters: the router takes that bmm as a grouped GEMM (nn/experts.py,
+    "Batched matmuls"), so convert routes them and counts them (tests/test_llama4.py checks
+    the bits). Before issue 61 they were left alone, BF16, with a log line."""
     transformers = pytest.importorskip("transformers")
     config = transformers.Llama4TextConfig(
         vocab_size=256, hidden_size=DIM, num_hidden_layers=2, num_attention_heads=4,
@@ -723,14 +731,48 @@ def test_hf_experts_without_an_experts_implementation_are_left_alone(caplog):
     reference = copy.deepcopy(model)
     with caplog.at_level(logging.INFO, logger="blockscale"):
         bsnn.convert(model, RECIPE, module_filter_fn=lambda m, fqn: fqn.endswith(".experts"))
-    assert "takes no experts_implementation" in caplog.text
-    assert "and 0 of 4 expert weights" in caplog.text
+    assert "takes no experts_implementation" not in caplog.text
+    assert "and 4 of 4 expert weights" in caplog.text
     experts = [layer.feed_forward.experts for layer in model.model.layers]
-    assert not any(hasattr(e, "grouped_mms") for e in experts)
+    assert all(list(e.grouped_mms) == ["gate_up_proj", "down_proj"] for e in experts)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert torch.equal(model(ids).logits, reference(ids).logits)
+        logits = model(ids).logits
+    assert not [w for w in caught if "unquantized" in str(w.message)]  # both bmm were routed
+    assert 1e-3 < rel_error(logits, reference(ids).logits) < 0.1
+
+
+class LoopedExperts(Experts):
+    """A transformers experts class (by its module) with no experts_implementation that loops
+    over its experts with plain matmuls: no grouped_mm or bmm for the router to take."""
+
+    __module__ = "transformers.models.looped.modeling_looped"
+
+    def forward(self, x_sorted, offs):
+        out, start = torch.zeros_like(x_sorted), 0
+        for e, end in enumerate(offs.tolist()):
+            gate, up = (x_sorted[start:end] @ self.gate_up_proj[e].t()).chunk(2, dim=-1)
+            out[start:end] = (F.silu(gate) * up) @ self.down_proj[e].t()
+            start = end
+        return out
+
+
+def test_hf_experts_without_an_experts_implementation_are_left_alone(caplog):
+    """Other transformers experts classes outside its experts-implementation registry make no
+    call the router takes: convert must say so and leave them alone, not count them converted
+    and let them run unquantized (the forward's warning would come only at the first step)."""
+    model = nn.Sequential(LoopedExperts())
+    x, offs = sorted_tokens()
+    reference = model[0](x, offs)
+    with caplog.at_level(logging.INFO, logger="blockscale"):
+        bsnn.convert(model, RECIPE)
+    assert "transformers' LoopedExperts takes no experts_implementation" in caplog.text
+    assert "and 0 of 2 expert weights" in caplog.text
+    assert not hasattr(model[0], "grouped_mms") and type(model[0]) is LoopedExperts
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(model[0](x, offs), reference)
     assert not [w for w in caught if "unquantized" in str(w.message)]  # nothing was wrapped
 
 
@@ -759,11 +801,12 @@ def _doubled_grouped_mm_backward(
 
 
 def _stand_in_op():
-    """A stand-in for blockscale's grouped GEMM that a trace takes in any dtype: ops.grouped_mm
-    cannot be traced on the CPU (the xfail above), and a plain Python stand-in meets
-    torch._grouped_mm's BF16-only fake impl with FP32 masters. An opaque op, as blockscale's
-    own kernels are on CUDA, computing the grouped GEMM doubled (which no unrouted path
-    computes), and counting the calls that run, eager or compiled."""
+    """A stand-in for blockscale's grouped GEMM that a trace takes in any dtype (the real one
+    compiles on the CPU too: test_compiled_quantized_experts_equal_eager), whereas a plain
+    Python stand-in meets torch._grouped_mm's BF16-only fake impl with FP32 masters. An opaque
+    op, as blockscale's own kernels are on CUDA, computing the grouped GEMM doubled (which no
+    unrouted path computes, so a call that bypassed the router shows), and counting the calls
+    that run, eager or compiled."""
     lib = "blockscale_tests::doubled_grouped_mm"
     op = torch.library.custom_op(lib, _doubled_grouped_mm, mutates_args=())
     op.register_fake(

@@ -30,6 +30,7 @@ LAYERS = [
     "nn",
     "distributed",
     "models",
+    "integrations",  # adapters to other trainers: nothing imports them (test below)
     "blockscale",  # __init__.py: the public API
     "train",
     "cli",
@@ -118,3 +119,12 @@ def test_every_part_imports_only_parts_below_it():
         if LAYERS.index(target) > LAYERS.index(source)
     }
     assert upward == set()
+
+
+def test_integrations_are_built_from_nn_and_distributed_only():
+    """DESIGN.md: an adapter to another trainer uses nn/ and distributed/ (and the recipe
+    registry), and nothing in blockscale imports it (it is optional: its trainer may be
+    missing)."""
+    edges = part_imports()
+    assert edges["integrations"] <= {"nn", "distributed", "recipes"}, edges["integrations"]
+    assert not [part for part, targets in edges.items() if "integrations" in targets]

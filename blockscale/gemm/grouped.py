@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from blockscale import _library
+from blockscale._registry import library_op
 from blockscale.formats import e2m1
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import BLOCK, NVFP4Tensor, decode_scale
@@ -208,11 +209,33 @@ def grouped_mm_rows(
     a_dq, b_dq, amax = _dq_operands(a, b)
     if _library.use_kernels(a_dq):
         return _library.kernels().grouped_gemm_rows(a_dq, b_dq, offs, amax, out_dtype)
+    amax_a, amax_b = amax or (None, None)
+    return _reference_rows(a_dq, b_dq, amax_a, amax_b, offs, out_dtype)
+
+
+@library_op("blockscale::grouped_gemm_rows_reference")
+def _reference_rows(
+    a_dq: torch.Tensor,
+    b_dq: torch.Tensor,
+    amax_a: torch.Tensor | None,
+    amax_b: torch.Tensor | None,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The rows GEMM off the kernels (the CPU): a loop over the groups with the offsets read
+    on the host, which a trace holds as one opaque op (ops/quantize.py's
+    `_reference_grouped` says why)."""
+    amax = None if amax_a is None else (amax_a, amax_b)
     out = a_dq.new_zeros(a_dq.shape[0], b_dq.shape[1], dtype=out_dtype)
     for e, (start, end) in enumerate(_host_bounds(offs)):
         if end > start:
             out[start:end] = _group_product(a_dq[start:end], b_dq[e], amax, e, out_dtype)
     return out
+
+
+@_reference_rows.op.register_fake
+def _(a_dq, b_dq, amax_a, amax_b, offs, out_dtype) -> torch.Tensor:
+    return a_dq.new_empty(a_dq.shape[0], b_dq.shape[1], dtype=out_dtype)
 
 
 def grouped_mm_tokens(
@@ -233,6 +256,24 @@ def grouped_mm_tokens(
     a_dq, b_dq, amax = _dq_operands(a, b)
     if _library.use_kernels(a_dq):
         return _library.kernels().grouped_gemm_tokens(a_dq, b_dq, seg_ends, amax, out_dtype)
+    amax_a, amax_b = amax or (None, None)
+    return _reference_tokens(a_dq, b_dq, amax_a, amax_b, offs, seg_ends, block, out_dtype)
+
+
+@library_op("blockscale::grouped_gemm_tokens_reference")
+def _reference_tokens(
+    a_dq: torch.Tensor,
+    b_dq: torch.Tensor,
+    amax_a: torch.Tensor | None,
+    amax_b: torch.Tensor | None,
+    offs: torch.Tensor,
+    seg_ends: torch.Tensor,
+    block: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The grad_weight GEMM off the kernels, as `_reference_rows`: each group contracts its
+    tokens padded to the block, as a per-expert `linear` does."""
+    amax = None if amax_a is None else (amax_a, amax_b)
     out = a_dq.new_zeros(seg_ends.shape[0], a_dq.shape[0], b_dq.shape[0], dtype=out_dtype)
     segments = _host_bounds(seg_ends)
     for e, (start, end) in enumerate(_host_bounds(offs)):
@@ -241,3 +282,8 @@ def grouped_mm_tokens(
             s1 = s0 + -(-(end - start) // block) * block
             out[e] = _group_product(a_dq[:, s0:s1], b_dq[:, s0:s1], amax, e, out_dtype)
     return out
+
+
+@_reference_tokens.op.register_fake
+def _(a_dq, b_dq, amax_a, amax_b, offs, seg_ends, block, out_dtype) -> torch.Tensor:
+    return a_dq.new_empty(seg_ends.shape[0], a_dq.shape[0], b_dq.shape[0], dtype=out_dtype)

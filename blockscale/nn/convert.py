@@ -4,12 +4,17 @@ from outside.
 The model code knows nothing of quantization. `convert` walks the module tree in post-order
 (children before their parent) and
 
-- replaces every module whose type is exactly `nn.Linear` with a `blockscale.nn.Linear` that
-  shares its Parameters, so optimizers, state_dict keys and tied weights are untouched.
-  Subclasses of nn.Linear are left alone on purpose: their forward may not be a plain linear
-  (e.g. attention's `NonDynamicallyQuantizableLinear` is read by weight, not called);
+- replaces every plain linear with a `blockscale.nn.Linear` that shares its Parameters, so
+  optimizers, state_dict keys and tied weights are untouched. A plain linear is an `nn.Linear`
+  or a subclass that keeps nn.Linear's own forward (torchtitan's `Linear`, which adds only a
+  config): what it computes is `F.linear`, so the swap changes nothing but the precision. A
+  subclass with a forward of its own is left alone, since that forward may be no plain linear
+  (a scaled bias, another quantizer), and so is attention's `NonDynamicallyQuantizableLinear`:
+  `nn.MultiheadAttention` reads its weight and never calls it, so a swap would quantize
+  nothing and count a layer that no GEMM of the recipe reaches (`_plain_linear`);
 - routes the grouped GEMMs of every experts module (3D expert weights consumed by
-  `F.grouped_mm`: transformers 5.x's experts classes, `models/moe.py`'s `Experts`) to
+  `F.grouped_mm`: transformers 5.x's experts classes, `models/moe.py`'s `Experts`; or by
+  `torch.bmm`, every expert on every token: transformers' Llama 4) to
   `blockscale.nn.GroupedMM` modules, leaving its parameters as they are (`nn/experts.py` says
   how and why).
 
@@ -22,8 +27,9 @@ A linear layer or an experts module is skipped, and the log says why, when
   of experts stays in high precision whatever the filter says (a quantized router moves tokens
   between experts, an error of another kind than a noisy product). transformers' routers are
   their own modules, not nn.Linear, and are never touched;
-- it is a transformers experts module set to another implementation than "grouped_mm" (only
-  grouped_mm calls are routed).
+- it is a transformers experts module set to another implementation than "grouped_mm", or
+  one outside transformers' experts-implementation registry other than Llama 4's (only
+  grouped_mm calls, and bmm calls on expert weights, are routed).
 
 A module registered under several names (`nn.Sequential(layer, act, layer)`, or one module in
 two parents) is one module: it is decided once, from all its names, and the one converted
@@ -53,8 +59,9 @@ counts the quantized ones.
 `layer_policy(model)` builds the paper's filter (arXiv 2509.25149): keep the last ~15% of the
 transformer blocks in BF16 (their experts included), plus the LM head, embeddings and MoE
 router. It finds the blocks as
-the longest `nn.ModuleList` of same-typed modules (`layers`, `h`, `blocks`, ...), or the one
-named by `blocks`. The LM head is recognised by name or by an output width equal to an
+the longest `nn.ModuleList` of same-typed modules (`layers`, `h`, `blocks`, ...), or
+`nn.ModuleDict` of them keyed by block numbers (torchtitan's `layers`), or the one named by
+`blocks`. The LM head is recognised by name or by an output width equal to an
 embedding's vocabulary.
 
 The precision schedule (`set_precision`, `PrecisionSchedule`) switches converted layers to
@@ -70,8 +77,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from torch import nn
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from blockscale.nn.experts import experts_weights, route_grouped_mm
+from blockscale.nn.experts import experts_weights, is_bmm_experts, route_grouped_mm
 from blockscale.nn.linear import Linear
 from blockscale.ops.grouped_mm import unsupported_reason as experts_unsupported_reason
 from blockscale.ops.linear import unsupported_reason
@@ -160,8 +168,9 @@ def convert(
             return None
         if not chosen(module, fqns):
             return []
-        # transformers marks experts stored as [E, K, N] with is_transposed; the usual is [E, N, K].
-        transposed = getattr(module, "is_transposed", False) is True
+        # transformers marks experts stored as [E, K, N] with is_transposed (Llama 4's, which
+        # multiply with bmm, by their class); the usual is [E, N, K].
+        transposed = getattr(module, "is_transposed", False) is True or is_bmm_experts(module)
         names = []
         for name, weight in weights.items():
             n, k = (weight.shape[2], weight.shape[1]) if transposed else weight.shape[1:]
@@ -196,7 +205,7 @@ def convert(
             if wants(module, fqns, n_experts):
                 return lambda: _set_recipe(module, recipe)
             return lambda: module
-        if type(module) is nn.Linear and wants(module, fqns, n_experts):
+        if _plain_linear(module) and wants(module, fqns, n_experts):
             return lambda: Linear.from_float(module, recipe)
         return lambda: module
 
@@ -291,19 +300,22 @@ def _tree(model: nn.Module) -> list[_Registered]:
 
 
 def _experts_not_routable(module: nn.Module, fqn: str) -> bool:
-    """Whether an experts module's forward makes no grouped_mm call to route (said once)."""
+    """Whether an experts module's forward makes no grouped_mm (or bmm) call to route (said
+    once)."""
     config = getattr(module, "config", None)
     implementation = getattr(config, "_experts_implementation", None)
-    if type(module).__module__.startswith("transformers.") and not hasattr(
-        config, "_experts_implementation"
+    if (
+        type(module).__module__.startswith("transformers.")
+        and not hasattr(config, "_experts_implementation")
+        and not is_bmm_experts(module)
     ):
-        # a transformers experts class outside its experts-implementation registry (Llama
-        # 4's, 5.x) multiplies with bmm or a loop: it makes no grouped_mm call for the
-        # wrapped weights to intercept, so wrapping it would quantize nothing
+        # a transformers experts class outside its experts-implementation registry makes no
+        # grouped_mm call for the router to take; of those, the bmm of Llama 4's (5.x) is
+        # routed (nn/experts.py, "Batched matmuls"), a loop is not
         logger.warning(
             "%s stays in high precision: transformers' %s takes no "
             "experts_implementation, so its forward never calls grouped_mm, and only "
-            "grouped_mm calls are routed",
+            "grouped_mm calls (and Llama 4's experts' bmm) are routed",
             fqn or "<root>",
             type(module).__name__,
         )
@@ -320,27 +332,55 @@ def _experts_not_routable(module: nn.Module, fqn: str) -> bool:
     return False
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """Whether `module` is a linear `convert` swaps (module docstring): an nn.Linear whose
+    class keeps nn.Linear's forward, other than attention's read-by-weight output projection."""
+    return (
+        isinstance(module, nn.Linear)
+        and type(module).forward is nn.Linear.forward
+        and not isinstance(module, NonDynamicallyQuantizableLinear)
+    )
+
+
 def _set_recipe(module: Linear, recipe: Recipe) -> Linear:
     module.recipe = recipe
     return module
 
 
-def _find_blocks(model: nn.Module, blocks: str | None) -> tuple[str, int] | None:
-    """(fqn, length) of the repeated transformer-block list."""
+def _block_list(module: nn.Module) -> list[str] | None:
+    """The names of a block list's entries, in order: an nn.ModuleList's (or nn.Sequential's)
+    indices, or the keys of an nn.ModuleDict whose keys are all block numbers (torchtitan's
+    `layers`, `"0"`, `"1"`, ...; a pipeline stage's may start past 0). None for anything else."""
+    if isinstance(module, nn.ModuleList | nn.Sequential):
+        return [str(i) for i in range(len(module))]
+    if isinstance(module, nn.ModuleDict) and all(key.isdigit() for key in module):
+        return list(module.keys())
+    return None
+
+
+def _find_blocks(model: nn.Module, blocks: str | None) -> tuple[str, list[str]] | None:
+    """(fqn, entry names in order) of the repeated transformer-block list."""
     modules = dict(model.named_modules())
     if blocks is not None:
         found = modules.get(blocks)
-        if not isinstance(found, nn.ModuleList | nn.Sequential):
-            raise ValueError(f"blocks={blocks!r} names no nn.ModuleList in the model")
-        return blocks, len(found)
-    best: tuple[str, int] | None = None
+        names = None if found is None else _block_list(found)
+        if names is None:
+            raise ValueError(
+                f"blocks={blocks!r} names no nn.ModuleList, nn.Sequential or nn.ModuleDict "
+                "keyed by block numbers in the model"
+            )
+        return blocks, names
+    best: tuple[str, list[str]] | None = None
     for fqn, module in modules.items():
-        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+        if isinstance(module, nn.Sequential):
+            continue  # a pipeline of different layers more often than a block list
+        names = _block_list(module)
+        if names is None or len(names) < 2:
             continue
-        if len({type(m) for m in module}) != 1:
+        if len({type(m) for m in module.children()}) != 1:
             continue
-        if best is None or len(module) > best[1]:
-            best = (fqn, len(module))
+        if best is None or len(names) > len(best[1]):
+            best = (fqn, names)
     return best
 
 
@@ -401,7 +441,10 @@ def layer_policy(
     bf16_head_blocks:   number of leading blocks also kept in BF16 (the paper does this at
         large scale).
     bf16_names:         fnmatch patterns for a linear's last name component kept in BF16.
-    blocks:             qualified name of the block ModuleList; found automatically when None.
+    blocks:             qualified name of the block list (an nn.ModuleList, or an nn.ModuleDict
+        keyed by block numbers as torchtitan's `layers`); found automatically when None. The
+        tail and head are counted in the list's order; an nn.ModuleDict's blocks are then
+        named by their keys.
 
     >>> blocks = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(4)])
     >>> model = torch.nn.ModuleDict({"layers": blocks, "lm_head": torch.nn.Linear(64, 256)})
@@ -419,16 +462,49 @@ def layer_policy(
         logger.warning("layer_policy: no repeated block list found; only name rules apply")
         blocks_fqn = None
     else:
-        blocks_fqn, n = found
-        tail = max(1, round(n * bf16_tail_fraction)) if bf16_tail_fraction > 0 else 0
-        kept = set(range(n - min(tail, n), n)) | set(range(min(bf16_head_blocks, n)))
+        blocks_fqn, names = found
+        kept = _kept_blocks(names, bf16_tail_fraction, bf16_head_blocks)
         logger.info(
             "layer_policy: %s has %d blocks; kept in BF16: %s",
             blocks_fqn or "<root>",
-            n,
+            len(names),
             sorted(kept),
         )
     return LayerPolicy(blocks_fqn, frozenset(kept), tuple(bf16_names), _vocab_sizes(model))
+
+
+def block_policy(
+    blocks: str,
+    names: Iterable[str],
+    bf16_tail_fraction: float = 0.15,
+    bf16_head_blocks: int = 0,
+    bf16_names: Iterable[str] = DEFAULT_BF16_NAMES,
+    vocab_sizes: Iterable[int] = (),
+) -> LayerPolicy:
+    """`layer_policy`'s rule for blocks known by name rather than found in a built model (a
+    trainer that converts a model's config before it builds it: torchtitan 0.3): `blocks` the
+    block list's qualified name, `names` its entries' names in order ("0", "1", ...).
+
+    >>> policy = bs.nn.block_policy("layers", [str(i) for i in range(8)])
+    >>> policy.bf16_blocks, policy(None, "layers.0.attention.wq"), policy(None, "layers.7.w1")
+    (frozenset({7}), True, False)
+    """
+    if not 0.0 <= bf16_tail_fraction <= 1.0:
+        raise ValueError(f"bf16_tail_fraction={bf16_tail_fraction} is not in [0, 1]")
+    if bf16_head_blocks < 0:
+        raise ValueError(f"bf16_head_blocks={bf16_head_blocks} must be >= 0")
+    kept = _kept_blocks(list(names), bf16_tail_fraction, bf16_head_blocks)
+    return LayerPolicy(blocks, frozenset(kept), tuple(bf16_names), frozenset(vocab_sizes))
+
+
+def _kept_blocks(names: list[str], bf16_tail_fraction: float, bf16_head_blocks: int) -> set[int]:
+    """The blocks kept in BF16, by number: the last ~`bf16_tail_fraction` (at least one when
+    positive) and the first `bf16_head_blocks`, counted in the list's order. An nn.ModuleDict's
+    blocks are kept by their keys (the block numbers its names carry)."""
+    n = len(names)
+    tail = max(1, round(n * bf16_tail_fraction)) if bf16_tail_fraction > 0 else 0
+    positions = set(range(n - min(tail, n), n)) | set(range(min(bf16_head_blocks, n)))
+    return {int(names[i]) for i in positions}
 
 
 def _vocab_sizes(model: nn.Module) -> frozenset[int]:

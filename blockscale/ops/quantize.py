@@ -485,18 +485,79 @@ def quantize_grouped(
         row_lp = None if row_out is None else as_operand(*row_out)
         tok_lp = None if tok_out is None else as_operand(*tok_out)
         return row_lp, tok_lp
-    row_lp = tok_lp = None
-    if fmt is Format.NVFP4:
-        if row is not None:
-            row_lp = grouped.nvfp4_quantize_rows(x, offs, row.rounding.value)
+    if fmt is Format.MXFP8:
+        row_lp = None if row is None else mxfp8.quantize(x)  # (no amax: the groups do not matter)
+        tok_lp = None
         if tokens is not None:
-            tok_lp = grouped.nvfp4_quantize_tokens(
-                x, offs, tokens.rounding.value, hadamard=tokens.hadamard
-            )
-    else:
-        row_lp = None if row is None else mxfp8.quantize(x)
-        tok_lp = None if tokens is None else grouped.mxfp8_quantize_tokens(x, offs)
+            data, scale = _reference_grouped(x, offs, "mxfp8", None, "nearest", False)
+            cap = grouped.token_capacity(x.shape[0], offs.shape[0])
+            tok_lp = MXFP8Tensor(data, scale, torch.Size((x.shape[1], cap)))
+        return row_lp, tok_lp
+    parts = _reference_grouped(
+        x,
+        offs,
+        "nvfp4",
+        None if row is None else row.rounding.value,
+        None if tokens is None else tokens.rounding.value,
+        bool(tokens and tokens.hadamard),
+    )
+    row_lp = tok_lp = None
+    if row is not None:
+        data, scale, amax, *parts = parts
+        row_lp = NVFP4Tensor(data, scale, amax, x.shape, "1x16", False)
+    if tokens is not None:
+        data, scale, amax = parts
+        shape = torch.Size((x.shape[1], grouped.token_capacity(x.shape[0], offs.shape[0])))
+        tok_lp = NVFP4Tensor(data, scale, amax, shape, "1x16", tokens.hadamard)
     return row_lp, tok_lp
+
+
+@library_op("blockscale::grouped_quantize_reference")
+def _reference_grouped(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    fmt: str,
+    row: str | None,
+    tokens: str | None,
+    hadamard: bool,
+) -> list[torch.Tensor]:
+    """The CPU reference of `quantize_grouped` (formats/grouped.py), as tensors: NVFP4's row
+    copy (data, scale, amax) when `row` names its rounding, then its token copy (data, scale,
+    amax) when `tokens` does; MXFP8's token copy (data, scale). It loops over the groups with
+    the offsets read on the host, which no trace can follow (a guard on each group's size):
+    so a trace (torch.compile, a converted experts module's nonstrict call) holds it as one
+    opaque op, which runs this same function on the real tensors, and eager calls it
+    directly. Hence a compiled CPU step gives eager's bits, in a graph whose size does not
+    grow with the number of experts."""
+    if fmt == "mxfp8":
+        q = grouped.mxfp8_quantize_tokens(x, offs)
+        return [q.data, q.scale]
+    out: list[torch.Tensor] = []
+    if row is not None:
+        q = grouped.nvfp4_quantize_rows(x, offs, row)
+        out += [q.data, q.scale, q.amax]
+    if tokens is not None:
+        q = grouped.nvfp4_quantize_tokens(x, offs, tokens, hadamard=hadamard)
+        out += [q.data, q.scale, q.amax]
+    return out
+
+
+@_reference_grouped.op.register_fake
+def _(x, offs, fmt, row, tokens, hadamard) -> list[torch.Tensor]:
+    (m, c), groups = x.shape, offs.shape[0]
+    p = grouped.token_capacity(m, groups)
+    if fmt == "mxfp8":
+        scale = x.new_empty(c, p // mxfp8.BLOCK, dtype=torch.float8_e8m0fnu)
+        return [x.new_empty(c, p, dtype=torch.float8_e4m3fn), scale]
+    out: list[torch.Tensor] = []
+    for rows, cols, wanted in ((m, c, row), (c, p, tokens)):
+        if wanted is not None:
+            out += [
+                x.new_empty(rows, cols // 2, dtype=torch.uint8),
+                x.new_empty(rows, cols // NVFP4_BLOCK, dtype=torch.float8_e4m3fn),
+                x.new_empty(groups, dtype=torch.float32),
+            ]
+    return out
 
 
 def quantize_experts(

@@ -1,0 +1,112 @@
+"""blockscale's converter for torchtitan 0.2.2 (the last release with Llama 4), which converts
+the built model, on the meta device, before it parallelizes and materializes it.
+
+Importing this module registers `BlockscaleConverter` as the model converter "blockscale", the
+way torchtitan 0.2.2 takes outside converters:
+
+    --experimental.custom_import blockscale.integrations.titan.v0_2 --model.converters blockscale
+
+Options come from the job config's `[blockscale]` section where the job config has one
+(`--job.custom_config_module blockscale.integrations.titan.v0_2` adds it, from `JobConfig`
+below: `--blockscale.recipe mxfp8`, `--blockscale.bf16_fqns output`, ...); without it the
+defaults apply (nvfp4, the package's layer policy).
+
+The conversion is `blockscale.nn.convert` with `TitanPolicy`: torchtitan 0.2.2's linears are
+`nn.Linear`s, and its `GroupedExperts` call `torch._grouped_mm` on their 3D weights, which
+`convert` routes to blockscale's grouped GEMM. Without expert parallelism, 0.2.2's
+`GroupedExperts.forward` pads each expert's token group to a multiple of 8 rows (a gather
+through indices a Triton kernel computes, on CUDA only) for torch's grouped GEMM; blockscale's
+takes any group size, so the experts the converter routes (all of them: `convert` routes the
+BF16 tail's experts through `torch._grouped_mm` itself) skip that padding
+(`UnpaddedGroupedExperts`: the same products, without the gather and its scatter back).
+Weights that are DTensors (tensor or expert parallelism) keep torchtitan's own forward.
+Unverified on a GPU: whether torch's BF16 grouped GEMM takes unpadded groups there.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torchtitan.models.moe.moe import GroupedExperts, _run_experts_grouped_mm
+from torchtitan.protocols.model_converter import register_model_converter
+
+import blockscale.nn as bsnn
+from blockscale.integrations.titan import (
+    DEFAULT_BF16_TAIL_FRACTION,
+    DEFAULT_RECIPE,
+    TitanPolicy,
+    titan_policy,
+)
+from blockscale.recipes import get as get_recipe
+
+NAME = "blockscale"
+
+
+@dataclass
+class Blockscale:
+    """The `[blockscale]` job config section."""
+
+    recipe: str = DEFAULT_RECIPE
+    """blockscale recipe: nvfp4, mxfp8, nvfp4_fwd_mxfp8_bwd (bf16 converts nothing)."""
+    bf16_tail_fraction: float = DEFAULT_BF16_TAIL_FRACTION
+    """Fraction of the blocks, counted from the last, kept in BF16 (experts included)."""
+    fqns: list[str] = field(default_factory=list)
+    """Convert only layers whose fqn contains one of these (replaces the tail rule)."""
+    bf16_fqns: list[str] = field(default_factory=list)
+    """Keep layers whose fqn contains one of these in BF16."""
+
+
+@dataclass
+class JobConfig:
+    """What `--job.custom_config_module blockscale.integrations.titan.v0_2` adds to the job
+    config. (This module's annotations are evaluated, not postponed: torchtitan resolves them
+    in a dataclass it builds elsewhere, where `Blockscale` is no name.)"""
+
+    blockscale: Blockscale = field(default_factory=Blockscale)
+
+
+class UnpaddedGroupedExperts(GroupedExperts):
+    """0.2.2's `GroupedExperts` without its token-group padding (module docstring)."""
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.w1, DTensor) or not self.use_grouped_mm:
+            return super().forward(x, num_tokens_per_expert)
+        return _run_experts_grouped_mm(self.w1, self.w2, self.w3, x, num_tokens_per_expert)
+
+
+def model_policy(model: nn.Module, options: Blockscale) -> TitanPolicy:
+    """`TitanPolicy` for a built torchtitan model (its blocks: `model.layers`)."""
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, nn.ModuleDict):
+        names = list(layers.keys())
+    else:
+        names = [str(i) for i in range(len(layers or ()))]
+    return titan_policy(names, options.bf16_tail_fraction, options.fqns, options.bf16_fqns)
+
+
+class BlockscaleConverter:
+    """torchtitan 0.2.2's `ModelConverter` for blockscale's recipes (module docstring)."""
+
+    def __init__(self, job_config: Any, parallel_dims: Any) -> None:
+        self.options = getattr(job_config, "blockscale", None) or Blockscale()
+        self.recipe = get_recipe(self.options.recipe)  # an unknown name fails before a build
+
+    def convert(self, model: nn.Module) -> None:
+        if not self.recipe.quantized:
+            return
+        policy = model_policy(model, self.options)
+        for module in model.modules():
+            if type(module) is GroupedExperts:
+                # convert routes every experts module (BF16 ones through torch's grouped GEMM)
+                module.__class__ = UnpaddedGroupedExperts
+        bsnn.convert(model, self.recipe, module_filter_fn=policy)
+
+    def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
+        """Nothing: every step quantizes the weights the optimizer has just written (the
+        converted layers' caches last one forward and its backward), so there is no state to
+        refresh after a step. torchtitan calls this hook on every converter."""
+
+
+register_model_converter(BlockscaleConverter, NAME)

@@ -1,0 +1,327 @@
+"""blockscale's torchtitan converters (blockscale/integrations/titan/) on torchtitan's own debug
+models, built as its trainer builds them (meta device, then `to_empty` and its weight init):
+torchtitan 0.3.x (DeepSeek-V3, Qwen3 MoE, Llama 3) through `v0_3`, 0.2.2 (Llama 4, DeepSeek-V3)
+through `v0_2`. One torchtitan is installed at a time, so each version's tests skip, saying
+why, under the other (.ci/run installs each in turn; docs/TORCHTITAN.md).
+
+Exact comparisons are against `blockscale.nn.convert` (or blockscale's ops) on the same weights:
+MXFP8, whose rounding is always to nearest, forward and gradients; NVFP4's forward (its default
+recipe rounds gradients stochastically).
+"""
+
+import importlib.util
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import blockscale as bs
+import blockscale.nn as bsnn
+from blockscale import recipes
+
+try:
+    TITAN = version("torchtitan") if importlib.util.find_spec("torchtitan") else None
+except PackageNotFoundError:  # importable from a source tree without its metadata
+    TITAN = None
+TITAN_MINOR = tuple(int(part) for part in TITAN.split(".")[:2]) if TITAN else None
+
+needs_v0_3 = pytest.mark.skipif(
+    TITAN_MINOR is None or TITAN_MINOR < (0, 3),
+    reason=f"the torchtitan 0.3.x converter needs torchtitan 0.3.x (installed: {TITAN})",
+)
+needs_v0_2 = pytest.mark.skipif(
+    TITAN_MINOR != (0, 2),
+    reason=f"the torchtitan 0.2.2 converter needs torchtitan 0.2.x (installed: {TITAN})",
+)
+VOCAB = 2048  # every debug model's
+STEPS = 4
+
+
+def batch(seed=0, length=65):
+    tokens = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train(model, steps=STEPS, lr=8e-4):
+    """A few AdamW steps on one batch (the debug configs' learning rate): the losses."""
+    inputs, labels = batch()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_trains(losses):
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+def assert_same_training_step(model, reference):
+    """The same logits (and, where `grads`, the same gradients) bit for bit."""
+    inputs, _ = batch(seed=1)
+    out, expected = model(inputs), reference(inputs)
+    assert torch.equal(out, expected)
+    out.float().square().mean().backward()
+    expected.float().square().mean().backward()
+    theirs = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        if p.grad is not None or theirs[name].grad is not None:
+            assert torch.equal(p.grad, theirs[name].grad), name
+
+
+def test_importing_blockscale_and_the_policy_imports_no_torchtitan():
+    """The integration is optional: blockscale and the version-free policy import without
+    torchtitan; only a version's module imports it."""
+    code = (
+        "import sys, blockscale, blockscale.nn, blockscale.integrations.titan; "
+        "assert 'torchtitan' not in sys.modules, 'torchtitan imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_titan_policy_names():
+    from blockscale.integrations.titan import titan_policy
+
+    policy = titan_policy([str(i) for i in range(6)])  # 15% of 6 rounds to 1: layers.5
+    assert policy(None, "layers.0.attention.wq") and policy(None, "layers.4.moe.experts")
+    assert not policy(None, "layers.5.feed_forward.w1") and not policy(None, "layers.5.moe")
+    assert not policy(None, "layers.1.moe.router.gate")
+    assert not policy(None, "output") and not policy(None, "lm_head")
+    only = titan_policy([str(i) for i in range(6)], fqns=["layers"], bf16_fqns=["wkv_b"])
+    assert only(None, "layers.5.attention.wq")  # an explicit list replaces the tail rule
+    assert not only(None, "layers.0.attention.wkv_b") and not only(None, "output")
+    assert not only(None, "layers.2.moe.router.gate")  # routers stay BF16 whatever the list
+
+
+# torchtitan 0.3.x: the converter on the model config, before the meta build.
+
+MODELS_V0_3 = [("deepseek_v3", "debugmodel"), ("qwen3", "debugmodel_moe"), ("llama3", "debugmodel")]
+
+
+def build_v0_3(name, flavor, converter=None, seed=0):
+    """torchtitan's model, built as its trainer builds it, with SDPA in place of FlexAttention
+    (whose backward PyTorch does not implement on the CPU; attention is not under test)."""
+    import importlib
+
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+
+    registry = importlib.import_module(f"torchtitan.models.{name}").model_registry
+    config = registry(flavor, converters=None if converter is None else [converter]).model
+    for _, _, parent, attr in list(config.traverse(FlexAttention.Config)):
+        setattr(parent, attr, ScaledDotProductAttention.Config())
+    with torch.device("meta"):
+        model = config.build()
+    model.verify_module_protocol()  # what the trainer checks of every submodule
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model
+
+
+@needs_v0_3
+@pytest.mark.parametrize(("name", "flavor"), MODELS_V0_3)
+def test_v0_3_converter_converts_by_the_policy_and_trains(name, flavor):
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import GroupedExperts
+
+    from blockscale.integrations.titan.v0_3 import BlockscaleConverter, BlockscaleLinear
+
+    model = build_v0_3(name, flavor, BlockscaleConverter.Config(recipe="nvfp4"))
+    tail = str(len(model.layers) - 1)  # every debug model here: 15% of its blocks is one
+    for fqn, module in model.named_modules():
+        block = fqn.split(".")[1] if fqn.startswith("layers.") else None
+        if isinstance(module, Linear | BlockscaleLinear):
+            quantized = block not in (None, tail) and not fqn.endswith("router.gate")
+            assert isinstance(module, BlockscaleLinear) == quantized, fqn
+            assert not quantized or module.recipe.name == "nvfp4"
+        if isinstance(module, GroupedExperts):
+            assert type(module).__name__.startswith("Blockscale") == (block != tail), fqn
+    assert sum(isinstance(m, BlockscaleLinear) for m in model.modules()) >= 4
+    assert_trains(train(model))
+
+
+@needs_v0_3
+@pytest.mark.parametrize(("name", "flavor"), MODELS_V0_3)
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_v0_3_converted_model_equals_blockscale_convert(name, flavor, recipe):
+    """The config converter's layers compute what `blockscale.nn.convert` makes of torchtitan's
+    own model with the same policy and weights: the same bits."""
+    from blockscale.integrations.titan import titan_policy
+    from blockscale.integrations.titan.v0_3 import BlockscaleConverter
+
+    model = build_v0_3(name, flavor, BlockscaleConverter.Config(recipe=recipe))
+    reference = build_v0_3(name, flavor, seed=1)
+    reference.load_state_dict(model.state_dict())
+    policy = titan_policy(list(reference.layers.keys()))
+    bsnn.convert(reference, recipes.get(recipe), module_filter_fn=policy)
+    if recipe == "mxfp8":
+        assert_same_training_step(model, reference)
+    else:
+        inputs, _ = batch(seed=1)
+        assert torch.equal(model(inputs), reference(inputs))
+
+
+@needs_v0_3
+def test_v0_3_override_import_converts_a_trainer_config():
+    """`--override.imports blockscale.integrations.titan.v0_3.blockscale={...}` on torchtitan's
+    own DeepSeek-V3 debug config: what the trainer's `apply_overrides` does with it."""
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import GroupedExperts
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+
+    from blockscale.integrations.titan.v0_3 import BlockscaleLinear
+
+    config = deepseek_v3_debugmodel()
+    options = {"recipe": "mxfp8", "bf16_fqns": ["wkv_b"]}
+    target = "blockscale.integrations.titan.v0_3.blockscale"
+    apply_overrides(OverrideConfig(imports=[(target, options)]), config)
+    model_config = config.model_spec.model
+    linears = dict((fqn, cfg) for fqn, cfg, _, _ in model_config.traverse(Linear.Config))
+    assert isinstance(linears["layers.0.attention.wq"], BlockscaleLinear.Config)
+    assert linears["layers.0.attention.wq"].recipe == "mxfp8"
+    assert not isinstance(linears["layers.0.attention.wkv_b"], BlockscaleLinear.Config)
+    assert not isinstance(linears["lm_head"], BlockscaleLinear.Config)
+    experts = [type(cfg) for _, cfg, _, _ in model_config.traverse(GroupedExperts.Config)]
+    assert [t is GroupedExperts.Config for t in experts] == [False] * (len(experts) - 1) + [True]
+
+
+@needs_v0_3
+def test_v0_3_compiled_block_equals_eager():
+    """torchtitan compiles each block with fullgraph=True: a converted DeepSeek-V3 MoE block
+    (quantized linears and experts) compiles so on the CPU (aot_eager) and gives eager's
+    output and gradients, stochastic rounding included (the same seed)."""
+    from blockscale.integrations.titan.v0_3 import BlockscaleConverter
+
+    model = build_v0_3("deepseek_v3", "debugmodel", BlockscaleConverter.Config(recipe="nvfp4"))
+    block = model.layers["1"]
+    assert type(block.moe.routed_experts.inner_experts).__name__ == "BlockscaleGroupedExperts"
+    x = torch.randn(2, 64, 256, generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    results = []
+    for run in (block, compiled):
+        torch.manual_seed(1)
+        out = run(x, None, None)
+        params = [p for p in block.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(out.square().mean(), params, allow_unused=True)
+        results.append((out, grads))
+    (eager, eager_grads), (out, grads) = results
+    assert torch.equal(out, eager)
+    for got, expected in zip(grads, eager_grads, strict=True):
+        assert (got is None and expected is None) or torch.equal(got, expected)
+
+
+# torchtitan 0.2.2: the registered ModelConverter on the built (meta) model.
+
+MODELS_V0_2 = ["llama4", "deepseek_v3"]
+
+
+@pytest.fixture
+def histc_on_cpu(monkeypatch):
+    """torchtitan 0.2.2's MoE router counts tokens with torch.histc on int64 expert indices,
+    which PyTorch implements on CUDA only: counted from float indices here (the same counts)."""
+    histc = torch.histc
+
+    def counted(input, *args, **kwargs):
+        return histc(input if input.is_floating_point() else input.float(), *args, **kwargs)
+
+    monkeypatch.setattr(torch, "histc", counted)
+
+
+def build_v0_2(name, args=(), seed=0, convert=True):
+    """torchtitan 0.2.2's debug model with the converters its job config names, as its trainer
+    builds it: on the meta device, converted, then `to_empty` and its weight init."""
+    import importlib
+
+    from torchtitan.config import ConfigManager
+    from torchtitan.protocols.model_converter import build_model_converters
+
+    import blockscale.integrations.titan.v0_2  # noqa: F401 (registers "blockscale")
+
+    spec = importlib.import_module(f"torchtitan.models.{name}").get_train_spec()
+    job_config = ConfigManager().parse_args(["--model.converters", "blockscale", *args])
+    model_args = spec.model_args["debugmodel"]
+    model_args.update_from_config(job_config)
+    # which turns torch's grouped GEMM off without an SM90 GPU (the experts then loop in
+    # Python, a path no converter reaches); blockscale's grouped GEMM runs on the CPU
+    model_args.moe_args.use_grouped_mm = True
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    if convert:
+        build_model_converters(job_config, None).convert(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model
+
+
+@needs_v0_2
+@pytest.mark.usefixtures("histc_on_cpu")
+@pytest.mark.parametrize("name", MODELS_V0_2)
+def test_v0_2_converter_converts_by_the_policy_and_trains(name):
+    from torch import nn
+
+    from blockscale.integrations.titan.v0_2 import UnpaddedGroupedExperts
+
+    model = build_v0_2(name)
+    tail = str(len(model.layers) - 1)
+    for fqn, module in model.named_modules():
+        block = fqn.split(".")[1] if fqn.startswith("layers.") else None
+        if isinstance(module, nn.Linear):
+            quantized = block not in (None, tail) and not fqn.endswith("router.gate")
+            assert isinstance(module, bsnn.Linear) == quantized, fqn
+        if isinstance(module, UnpaddedGroupedExperts):
+            recipes_of = {m.recipe.name for m in module.grouped_mms.values()}
+            assert recipes_of == ({"bf16"} if block == tail else {"nvfp4"}), fqn
+    assert any(isinstance(m, UnpaddedGroupedExperts) for m in model.modules())
+    assert_trains(train(model))
+
+
+@needs_v0_2
+@pytest.mark.usefixtures("histc_on_cpu")
+@pytest.mark.parametrize("name", MODELS_V0_2)
+def test_v0_2_converted_layers_equal_blockscale_ops(name):
+    """Options from the job config's [blockscale] section (the custom config module), and the
+    converted experts and linears computing blockscale's ops on the same weights, bit for bit:
+    the experts without torchtitan's token-group padding."""
+    from blockscale.integrations.titan.v0_2 import UnpaddedGroupedExperts
+
+    args = ["--job.custom_config_module", "blockscale.integrations.titan.v0_2"]
+    model = build_v0_2(name, [*args, "--blockscale.recipe", "mxfp8"])
+    recipe = recipes.get("mxfp8")
+    experts = next(m for m in model.modules() if isinstance(m, UnpaddedGroupedExperts))
+    e, _, dim = experts.w1.shape
+    counts = torch.tensor([5, 0, 17, 3] + [9] * (e - 4), dtype=torch.int64)[:e]
+    x = torch.randn(int(counts.sum()), dim, generator=torch.Generator().manual_seed(0))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+
+    def grouped(a, w):
+        return bs.grouped_mm(a, w.bfloat16().transpose(-2, -1), offs, recipe)
+
+    h = F.silu(grouped(x.bfloat16(), experts.w1)) * grouped(x.bfloat16(), experts.w3)
+    assert torch.equal(experts(x, counts), grouped(h, experts.w2).type_as(x))
+    linear = model.layers["0"].attention.wq
+    assert isinstance(linear, bsnn.Linear) and linear.recipe.name == "mxfp8"
+    x = torch.randn(8, linear.in_features)
+    assert torch.equal(linear(x), bs.linear(x, linear.weight, linear.bias, recipe))
+
+
+@needs_v0_2
+def test_v0_2_converter_is_registered_under_its_name():
+    from torchtitan.protocols.model_converter import _registry_model_converter_cls
+
+    import blockscale.integrations.titan.v0_2 as v0_2
+
+    assert _registry_model_converter_cls["blockscale"] is v0_2.BlockscaleConverter
