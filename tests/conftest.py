@@ -1,4 +1,15 @@
-"""Test-wide setup.
+"""Test-wide setup: the two tiers, and Triton's interpreter on a machine without a GPU.
+
+Two tiers, so that a user learns in minutes that the install works, and CI still runs every
+test. `python -m pytest -q` (the README's command: no test path named, so pytest collects
+`testpaths`) runs the fast tier: the install and the core numerics, FAST_FILES whole and the
+FAST_TESTS functions of files whose other tests are Triton-interpreter kernel sweeps or compile
+tests. `python -m pytest -q --tier rest` runs every other test (kernel sweeps, compile tests,
+research tools, distributed on gloo, the CLI's robustness), and `.ci/run` runs it after the
+fast tier, so together they run every test once; `--tier all` runs both in one process.
+Naming files, folders or node ids runs what they hold, whatever its tier. The tests the
+chosen tier leaves out are deselected, never skipped, and the summary says how to run them.
+tests/test_tiers.py checks that every name below still names a test.
 
 Without a GPU the Triton kernels run in Triton's interpreter; the switch is read when a
 kernel is defined, so it has to be set here, before any test imports blockscale.kernels.
@@ -118,13 +129,118 @@ if os.environ.get("TRITON_INTERPRET") == "1":
             _interpreter.GridExecutor.__call__ = _launch
 
 
+# The fast tier, by file: the formats bit for bit, the linear layer's autograd, convert, the
+# recipes and models, a tiny CLI and training run, and the docs' snippets.
+FAST_FILES = frozenset(
+    {
+        "test_e2m1.py",
+        "test_nvfp4.py",
+        "test_mxfp8.py",
+        "test_swizzle.py",
+        "test_native_layout.py",
+        "test_emulated_gemm.py",
+        "test_properties.py",
+        "test_linear.py",
+        "test_recipes.py",
+        "test_convert.py",
+        "test_models.py",
+        "test_import_layers.py",
+        "test_data.py",
+        "test_train.py",
+        "test_cli.py",
+        "test_docs.py",
+        "test_doctests.py",
+        "test_robust_readme.py",
+        "test_code_size.py",
+    }
+)
+# The fast tier's functions (every parametrization) of files whose other tests are kernel
+# sweeps in the interpreter or compile tests: the grouped GEMM's autograd on the reference
+# path, and convert on transformers models (dense Llama, MoE experts) that then train.
+FAST_TESTS = {
+    "test_grouped_mm.py": frozenset(
+        {
+            "test_bf16_recipe_is_torch_grouped_mm",
+            "test_reference_path_equals_loop_of_linear",
+            "test_nvfp4_output_is_a_quantization_of_the_bf16_product",
+            "test_saves_only_packed_operands",
+            "test_create_graph_keeps_the_first_derivatives_bit_for_bit",
+            "test_second_derivatives_that_cannot_be_given_raise",
+            "test_group_amax_propagates_nan_and_inf_per_group",
+        }
+    ),
+    "test_convert_experts.py": frozenset(
+        {
+            "test_convert_routes_experts_and_leaves_parameters_alone",
+            "test_converted_experts_equal_blockscale_grouped_mm_by_hand",
+            "test_layer_policy_keeps_the_tail_blocks_experts_bf16",
+            "test_unrouted_weights_warn_and_unsupported_calls_raise",
+            "test_hf_experts_are_quantized_and_routers_untouched",
+            "test_hf_set_precision_false_is_the_unconverted_model",
+            "test_hf_trains_with_adamw",
+        }
+    ),
+    "test_hf_llama.py": frozenset(
+        {
+            "test_layer_policy_keeps_head_embeddings_and_tail_block_bf16",
+            "test_converted_llama_trains",
+            "test_converted_linears_save_only_packed_operands",
+        }
+    ),
+    "test_tiers.py": frozenset({"test_every_fast_tier_name_names_a_test"}),
+}
+TIERS = ("fast", "rest", "all")
+_deselected = pytest.StashKey[int]()
+
+
+def in_fast_tier(item) -> bool:
+    name = item.path.name
+    return name in FAST_FILES or item.originalname in FAST_TESTS.get(name, ())
+
+
+def tier(config) -> str:
+    """The tier to run: --tier, else the fast one when no test path was named."""
+    chosen = config.getoption("tier")
+    if chosen is not None:
+        return chosen
+    return "fast" if config.args_source == pytest.Config.ArgsSource.TESTPATHS else "all"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--tier",
+        choices=TIERS,
+        default=None,
+        help="fast: the README's tests, the default when no test path is named; rest: every "
+        "other test (.ci/run runs it after the fast tier); all: both",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
+    chosen = tier(config)
+    if chosen != "all":
+        keep = [item for item in items if in_fast_tier(item) == (chosen == "fast")]
+        dropped = [item for item in items if in_fast_tier(item) != (chosen == "fast")]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = keep
+        config.stash[_deselected] = len(dropped)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (marker gpu); run on the GPU machine")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    dropped = config.stash.get(_deselected, 0)
+    if dropped:
+        other = "rest" if tier(config) == "fast" else "fast"
+        terminalreporter.write_line(
+            f"{tier(config)} tier: the other {dropped} tests run with "
+            f"`python -m pytest -q --tier {other}` (.ci/run runs both)"
+        )
 
 
 @pytest.fixture(scope="module")

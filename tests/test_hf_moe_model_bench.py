@@ -21,22 +21,29 @@ def bench_moe_model():
 
 def test_bench_moe_model_builds_the_cast_baseline_and_the_converted_models():
     """bf16: the experts' grouped GEMMs on BF16 casts of the FP32 masters, linears untouched;
-    a recipe: every block converted (no BF16 tail), head and routers left alone."""
+    a recipe: the README's layer policy by default (the last of 2 blocks kept in BF16, its
+    experts routed unquantized), every block with bf16_tail_fraction=0.0; head and routers
+    left alone."""
     bench = bench_moe_model()
     spec = bench.MODELS["qwen3-tiny"]
     cpu = torch.device("cpu")
     base = bench.build(spec, "bf16", 32, cpu)
-    nvfp4 = bench.build(spec, "nvfp4", 32, cpu)
+    nvfp4 = bench.build(spec, "nvfp4", 32, cpu, bf16_tail_fraction=0.0)
+    readme = bench.build(spec, "nvfp4", 32, cpu)
     unconverted = bench.build(spec, "hf", 32, cpu)
     for model in (base, nvfp4, unconverted):
         assert {p.dtype for p in model.parameters()} == {torch.float32}
     for block in base.model.layers:
         assert all(type(g) is bench.CastGroupedMM for g in block.mlp.experts.grouped_mms.values())
         assert type(block.self_attn.q_proj) is torch.nn.Linear
-    for block in nvfp4.model.layers:  # both blocks: with 2 the paper's tail would keep one
+    for block in nvfp4.model.layers:  # both blocks
         grouped = block.mlp.experts.grouped_mms.values()
         assert [g.recipe.name for g in grouped] == ["nvfp4", "nvfp4"]
         assert isinstance(block.self_attn.q_proj, bsnn.Linear)
+    head, tail = readme.model.layers
+    assert [g.recipe.name for g in head.mlp.experts.grouped_mms.values()] == ["nvfp4"] * 2
+    assert [g.recipe.name for g in tail.mlp.experts.grouped_mms.values()] == ["bf16"] * 2
+    assert type(tail.self_attn.q_proj) is torch.nn.Linear
     assert type(nvfp4.lm_head) is torch.nn.Linear
     assert not any(hasattr(m, "grouped_mms") for m in unconverted.modules())
     # the baseline's grouped GEMM: BF16 operands, FP32 gradients for the masters

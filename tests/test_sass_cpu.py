@@ -4,7 +4,9 @@ rounding's hash computed once a word by the threads that need it. A kernel chang
 memory traffic in a kernel judged by bytes) fails here, before any GPU sees it.
 
 The script runs in a child process without TRITON_INTERPRET: it compiles the jit kernels,
-which this test process has replaced with the interpreter's.
+which this test process has replaced with the interpreter's. It compiles into this module's
+own Triton cache: a user-wide one keys a kernel by its source, not its file, so a kernel that
+another checkout compiled first would name that checkout's files in its line markers.
 """
 
 import json
@@ -21,9 +23,11 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPT = BENCHMARKS / "research" / "sass_cpu.py"
 
 
-def sass_rows(out: Path, *args: str) -> list[dict]:
-    """sass_cpu.py's rows for a 256x256 input, with `args` (run without TRITON_INTERPRET)."""
+def sass_rows(out: Path, cache: Path, *args: str) -> list[dict]:
+    """sass_cpu.py's rows for a 256x256 input, with `args` (run without TRITON_INTERPRET,
+    compiling into the Triton cache `cache`)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(cache)
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--shape", "256,256", *args, "--json", str(out)],
         env=env, capture_output=True, text=True, timeout=1800,  # 143 s on one loaded core
@@ -33,8 +37,13 @@ def sass_rows(out: Path, *args: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory):
-    return sass_rows(tmp_path_factory.mktemp("sass") / "sass.json")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("triton_cache")
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory, cache):
+    return sass_rows(tmp_path_factory.mktemp("sass") / "sass.json", cache)
 
 
 def test_every_kernel_compiles_for_sm90_without_spills(rows):
@@ -78,13 +87,15 @@ def test_stochastic_rounding_hashes_each_word_once_a_thread(rows):
     assert both["hash_multiplies"] == 2 * (2 + 2 * both["values_per_thread"] / 4), both
 
 
-def test_the_block_scale_switches_for_ab_timing_take_effect(rows, tmp_path):
+def test_the_block_scale_switches_for_ab_timing_take_effect(rows, cache, tmp_path):
     """`--replaced e4m3-integer,enc-division` must compile the integer E4M3 codec and a
     division a block back into the NVFP4 launches, or an A/B timing of the 2026-12-02
     changes would compare the new code with itself (at 256 x 256, instructions to EXIT of the
     two dq-only launches the models run: 1035 -> 1161 and 1496 -> 1795)."""
     old = sass_rows(
-        tmp_path / "old.json", "--only", "dq only: both", "--replaced", "e4m3-integer,enc-division"
+        tmp_path / "old.json",
+        cache,
+        *("--only", "dq only: both", "--replaced", "e4m3-integer,enc-division"),
     )
     old, new = {r["case"]: r for r in old}, {r["case"]: r for r in rows}
     for case in (
@@ -96,25 +107,29 @@ def test_the_block_scale_switches_for_ab_timing_take_effect(rows, tmp_path):
         assert old[case]["opcodes"].get("MUFU", 0) > new[case]["opcodes"].get("MUFU", 0), case
 
 
-def test_the_philox_switch_for_ab_timing_takes_effect(rows, tmp_path):
+def test_the_philox_switch_for_ab_timing_takes_effect(rows, cache, tmp_path):
     """`--replaced sr-philox` (benchmarks/replaced.py) must compile the old Philox draw into
     the kernels, or an A/B timing would compare the hash with itself."""
-    (row,) = sass_rows(tmp_path / "philox.json", "--only", "rowwise SR", "--replaced", "sr-philox")
+    (row,) = sass_rows(
+        tmp_path / "philox.json", cache, "--only", "rowwise SR", "--replaced", "sr-philox"
+    )
     assert row["hash_multiplies"] == 0
     # Philox4x32-7: seven rounds of two 32x32 -> 64-bit multiplies a draw
     hashed = {r["case"]: r for r in rows}["nvfp4 1x16 rowwise SR + dq"]
     assert row["wide_multiplies"] >= hashed["wide_multiplies"] + 14
 
 
-def test_a_register_cap_given_on_the_command_line_reaches_the_compiler(tmp_path):
+def test_a_register_cap_given_on_the_command_line_reaches_the_compiler(cache, tmp_path):
     """`--tiles TABLE.KEY=BM,BK,WARPS,MAXNREG` (benchmarks/tiles.py) sets a launch's register
     cap, which ptxas honours (spilling if it must): the both-direction SR kernel, 168 registers
     at a 64x64/4 tile, compiles within 128 with the cap, so 4 programs fit an SM."""
     (plain,) = sass_rows(
-        tmp_path / "plain.json", "--only", "both SR", "--tiles", "nvfp4.both_sr_dq=64,64,4"
+        tmp_path / "plain.json", cache, "--only", "both SR", "--tiles", "nvfp4.both_sr_dq=64,64,4"
     )
     (capped,) = sass_rows(
-        tmp_path / "capped.json", "--only", "both SR", "--tiles", "nvfp4.both_sr_dq=64,64,4,128"
+        tmp_path / "capped.json",
+        cache,
+        *("--only", "both SR", "--tiles", "nvfp4.both_sr_dq=64,64,4,128"),
     )
     assert plain["registers"] > 128 and plain["programs_per_sm"] < 4, plain
     assert capped["registers"] <= 128 and capped["programs_per_sm"] == 4, capped
@@ -196,3 +211,39 @@ def test_instructions_are_charged_to_the_source_lines_a_program_runs(rows):
     both = next(r for r in rows if r["case"] == "nvfp4 dq only: both stochastic + dq (grad_output)")
     top = max(n for k, n in both["by_line"].items() if k.startswith("blockscale/kernels/nvfp4.py"))
     assert top >= 2 * both["values_per_thread"], both["by_line"]
+
+
+def test_line_markers_name_files_relative_to_their_package_whatever_the_clone_is_called(tmp_path):
+    """A clone is often a folder named blockscale, holding the package blockscale: the key is
+    the path below the package's parent (not `blockscale/blockscale/...`), reached through a
+    folder named blockscale or through a link. A file of neither package (another checkout's,
+    from a shared Triton cache) keeps its whole path, so the test above would catch it."""
+    root = BENCHMARKS.parent
+    (tmp_path / "clones").mkdir()
+    (tmp_path / "clones" / "blockscale").symlink_to(root, target_is_directory=True)
+    through_link = tmp_path / "clones" / "blockscale" / "blockscale" / "kernels" / "nvfp4.py"
+    sass = "\n".join(
+        [
+            f'//## File "{root / "blockscale" / "kernels" / "nvfp4.py"}", line 10',
+            "/*0010*/ IMAD R1, R2, R3, R4 ;",
+            f'//## File "{through_link}", line 11',
+            "/*0020*/ FADD R1, R2, R3 ;",
+            '//## File "/elsewhere/blockscale/blockscale/kernels/nvfp4.py", line 12',
+            "/*0030*/ EXIT ;",
+        ]
+    )
+    code = (
+        f"import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); import sass_cpu; "
+        f"print('|'.join(sass_cpu._source_lines(sys.stdin.read())))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], input=sass, env=env, capture_output=True, text=True,
+        cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().split("|") == [
+        "blockscale/kernels/nvfp4.py:10",
+        "blockscale/kernels/nvfp4.py:11",
+        "/elsewhere/blockscale/blockscale/kernels/nvfp4.py:12",
+    ]

@@ -60,6 +60,7 @@ import tiles  # noqa: E402
 from bench_grouped_mm import kernel_cases  # noqa: E402
 from bench_quantize import cases, make_input  # noqa: E402
 
+import blockscale  # noqa: E402
 from blockscale.kernels import _launch  # noqa: E402
 from blockscale.kernels.nvfp4 import MIX32  # noqa: E402
 
@@ -160,15 +161,33 @@ _INSTRUCTION = r"/\*([0-9a-f]{4,})\*/\s+(\S.*?);"
 _LINE_OR_INSTRUCTION = re.compile(r'//## File "([^"]+)", line (\d+)|' + _INSTRUCTION)
 
 
+# The packages whose files a kernel's line markers name, by the folder each was imported from.
+PACKAGES = {
+    name: Path(module.__file__).resolve().parent
+    for name, module in (("blockscale", blockscale), ("triton", triton))
+}
+
+
+def _source_file(path: str) -> str:
+    """A line marker's file relative to the folder above its package
+    ("blockscale/kernels/nvfp4.py", "triton/language/standard.py"), whatever the folders above
+    are named (a clone is often a folder named blockscale too). A file of neither package as
+    imported here keeps its whole path: Triton's cache keys a kernel by its source, not by its
+    file, so a kernel compiled by another checkout names that checkout's file."""
+    resolved = Path(path).resolve()
+    for name, root in PACKAGES.items():
+        if resolved.is_relative_to(root):
+            return f"{name}/{resolved.relative_to(root).as_posix()}"
+    return path
+
+
 def _source_lines(sass: str) -> list[str]:
-    """The source line ("file:line", file relative to the package or Triton) of each
-    instruction of `nvdisasm -g` output, in order ("?" before the first line marker)."""
+    """The source line ("file:line", `_source_file`) of each instruction of `nvdisasm -g`
+    output, in order ("?" before the first line marker)."""
     where, out = "?", []
     for m in _LINE_OR_INSTRUCTION.finditer(sass):
         if m.group(1):
-            parts = Path(m.group(1)).parts
-            top = next((i for i, p in enumerate(parts) if p in ("blockscale", "triton")), 0)
-            where = f"{'/'.join(parts[top:])}:{m.group(2)}"
+            where = f"{_source_file(m.group(1))}:{m.group(2)}"
         else:
             out.append(where)
     return out
@@ -236,9 +255,10 @@ def compile_launch(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
 
 
 def _source_text(where: str) -> str:
-    """The stripped source of a "file:line" of `_source_lines` under the repository, or ""."""
+    """The stripped source of a "file:line" of `_source_lines`, or ""."""
     file, _, line = where.rpartition(":")
-    path = Path(__file__).resolve().parents[2] / file
+    package, _, rest = file.partition("/")
+    path = PACKAGES[package] / rest if package in PACKAGES else Path(file)
     if not line.isdigit() or not path.is_file():
         return ""
     text = path.read_text().splitlines()

@@ -28,8 +28,8 @@ from pathlib import Path
 
 FILE = "machine.jsonl"
 # A run whose threads waited this share of their ready time for a core: its speed is the
-# machine's. An idle machine gives a few % (the kernel's own threads, a short compile burst);
-# a CPU-bound process beside a run on 2 cores gives it tens of %.
+# machine's. Measured on 2 cores (docs/LOG.md, 2026-12-05): 0.2-1.8% with nothing beside the
+# runs, 37-42% beside one busy loop, 62-72% beside another session's tests.
 WAITED_PCT = 10.0
 
 

@@ -148,9 +148,9 @@ def shared_pct(run: dict, runs: list[dict]) -> float | None:
     return 100.0 * overlap / total if total > 0 else None
 
 
-# A run whose interval speeds (after the first, which holds warm-up) span more than this
-# factor was slowed for part of its time by something other than its recipe: on an idle
-# machine a tiny CPU run's intervals stay within SPREAD_IDLE of each other.
+# A run's intervals after the first (which holds warm-up) run the same steps, so speeds that
+# span more than this factor mean something else slowed part of the run: a load that came or
+# went mid-run, which the run's mean wait for a core (train/machine.py) can average away.
 SPREAD = 2.0
 
 
