@@ -1030,3 +1030,20 @@ def test_gpu_readme_moe_call_compiles_and_trains(kind):
         torch._dynamo.reset()
     assert torch.isfinite(losses[True]).all(), losses
     torch.testing.assert_close(losses[True], losses[False], rtol=2e-2, atol=0)
+
+
+def test_experts_kept_in_bf16_multiply_in_bf16_under_autocast():
+    """An unquantized GroupedMM (a BF16 tail block's experts, or set_precision off) under
+    autocast multiplies BF16 casts of its operands, as autocast runs a matmul: with FP32
+    masters the model's own grouped_mm ran in FP32 (0.44x BF16's speed compiled, H200).
+    Outside autocast it is torch._grouped_mm on the operands as they come."""
+    gmm = bsnn.GroupedMM(recipes.get("bf16"))
+    x, offs = sorted_tokens()
+    weight_t = torch.randn(N_EXPERTS, DIM, HIDDEN)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = gmm(x, weight_t, offs, torch.float32)
+    expected = torch._grouped_mm(x.bfloat16(), weight_t.bfloat16(), offs=offs).float()
+    rows = int(offs[-1])
+    assert out.dtype == torch.float32 and torch.equal(out[:rows], expected[:rows])
+    plain = torch._grouped_mm(x, weight_t, offs=offs)
+    assert torch.equal(gmm(x, weight_t, offs)[:rows], plain[:rows])

@@ -229,7 +229,7 @@ class GroupedMM(nn.Module):
         weight_source: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not self.quantize_enabled or not self.recipe.quantized:
-            return _unquantized_grouped_mm(input, weight_t, offs, out_dtype)
+            return _autocast_grouped_mm(input, weight_t, offs, out_dtype)
         cache = None if torch.compiler.is_compiling() else self.weight_cache
         return grouped_mm(
             input,
@@ -620,6 +620,26 @@ class _GroupedMMRouter(TorchFunctionMode):
         return self.grouped_mms[name](
             input, weight_t, offs, out_dtype=out_dtype, weight_source=param
         )
+
+
+def _autocast_grouped_mm(
+    input: torch.Tensor,
+    weight_t: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """An unquantized grouped GEMM as autocast would run a matmul: under autocast, on both
+    operands cast to the autocast dtype (the result then in `out_dtype`, if given), else in
+    their own dtype. `torch._grouped_mm` is not an autocast op, so a model's own call on FP32
+    master weights multiplies in FP32: for the BF16 tail block that `layer_policy` keeps, the
+    README's Qwen3-30B-A3B-like MoE compiled ran nvfp4 at 0.44x BF16 (H200, 2026-12-05), where
+    the quantized blocks' GEMMs and every BF16 baseline run on BF16 tensor cores."""
+    device = input.device.type
+    if device == "meta" or not torch.is_autocast_enabled(device):
+        return _unquantized_grouped_mm(input, weight_t, offs, out_dtype)
+    dtype = torch.get_autocast_dtype(device)
+    out = _unquantized_grouped_mm(input.to(dtype), weight_t.to(dtype), offs)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def _unquantized_grouped_mm(
