@@ -72,6 +72,7 @@ from blockscale.ops.linear import (
     cached_dgrad_weight,
     cached_weight,
     dgrad_amax,
+    first_derivatives,
     output_dtype,
     recomputes_weight,
     second_order_anchor,
@@ -374,14 +375,8 @@ class _GroupedMMBackward(torch.autograd.Function):
         outer: Any,
         saved: tuple[torch.Tensor, ...],
     ) -> tuple[torch.Tensor | None, ...]:
-        ctx.set_materialize_grads(False)  # an unused result's gradient stays None
-        kept: dict[str, Any] = {}
-        grads = _backward_gemms(outer, grad_output, saved, kept)
-        ctx.kept, ctx.outer = kept, outer
         ctx.offs, ctx.seg_ends = saved[0], saved[1]
-        ctx.go_shape, ctx.go_dtype = grad_output.shape, grad_output.dtype
-        ctx.device_type = grad_output.device.type
-        return grads
+        return first_derivatives(ctx, _backward_gemms, outer, grad_output, saved)
 
     @staticmethod
     def backward(

@@ -730,6 +730,25 @@ def second_order_weight_error(where: str, config: OperandConfig) -> NotImplement
     )
 
 
+def first_derivatives(
+    ctx: Any,
+    gemms: Callable[..., tuple],
+    outer: Any,
+    grad_output: torch.Tensor,
+    saved: tuple[torch.Tensor, ...],
+) -> tuple:
+    """The `forward` of a backward run as a differentiable op (`_LinearBackward`, grouped_mm's
+    `_GroupedMMBackward`): the plain backward's `gemms(outer, grad_output, saved, kept)`, the
+    same bits, with the operands they read kept on `ctx` for the second derivatives."""
+    ctx.set_materialize_grads(False)  # an unused result's gradient stays None
+    kept: dict[str, Any] = {}
+    grads = gemms(outer, grad_output, saved, kept)
+    ctx.kept, ctx.outer = kept, outer
+    ctx.go_shape, ctx.go_dtype = grad_output.shape, grad_output.dtype
+    ctx.device_type = grad_output.device.type
+    return grads
+
+
 class _LinearBackward(torch.autograd.Function):
     """`_Linear`'s backward as a differentiable op (module docstring, "Second derivatives").
 
@@ -748,13 +767,7 @@ class _LinearBackward(torch.autograd.Function):
         outer: Any,
         saved: tuple[torch.Tensor, ...],
     ) -> tuple[torch.Tensor | None, ...]:
-        ctx.set_materialize_grads(False)  # an unused result's gradient stays None
-        kept: dict[str, Any] = {}
-        grads = _backward_gemms(outer, grad_output, saved, kept)
-        ctx.kept, ctx.outer = kept, outer
-        ctx.go_shape, ctx.go_dtype = grad_output.shape, grad_output.dtype
-        ctx.device_type = grad_output.device.type
-        return grads
+        return first_derivatives(ctx, _backward_gemms, outer, grad_output, saved)
 
     @staticmethod
     def backward(
