@@ -29,6 +29,7 @@ import sys
 
 import pytest
 import torch
+from test_linear import StraightThrough  # the reference's straight-through quantizer
 
 import blockscale as bs
 from blockscale import _library, recipes
@@ -669,16 +670,6 @@ SECOND_ORDER_CASES = [(name, "reference") for name in RECIPES] + [
 ]
 
 
-class _StraightThrough(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, value, source):
-        return value.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, grad
-
-
 def _values(x, cfg, transpose=False):
     """FP32 values of x quantized per `cfg` by formats/ (one expert's tensor)."""
     if cfg.format == "nvfp4":
@@ -725,9 +716,9 @@ def test_gradient_penalty_second_derivatives(name, path, monkeypatch):
         for e, s, t in _expert_rows(offs):
             we = w[e].detach()
             wq = _values(we, cfg_w) if cfg_w.block == "16x16" else _values(we, cfg_w, True).t()
-            wq = _StraightThrough.apply(f(wq), w_ref[e])
+            wq = StraightThrough.apply(f(wq), w_ref[e])
             ge = _values(v[s:t].detach(), recipe.grad_input.grad_output)
-            outs.append(_StraightThrough.apply(f(ge), v_ref[s:t]) @ wq)
+            outs.append(StraightThrough.apply(f(ge), v_ref[s:t]) @ wq)
             seeds.append(f(seed[s:t]))
         return torch.autograd.grad(outs, (w_ref, v_ref), grad_outputs=seeds)
 
