@@ -151,10 +151,11 @@ def set_weight_cache(
 
 
 def clear_weight_cache(model: nn.Module) -> int:
-    """Drop the quantized copies every weight cache in `model` holds (needed only after a
-    weight change that neither an optimizer step, `load_state_dict` nor the version counter
-    shows: a write through `p.data`, or a checkpoint loaded into an FSDP2 model's shards
-    without `load_state_dict`). Returns how many caches were cleared.
+    """Drop the quantized copies every weight cache in `model` holds. Needed only under the
+    opt-in `scope="step"`, after a weight change that neither an optimizer step,
+    `load_state_dict` nor the version counter shows (a write through `p.data`, a checkpoint
+    loaded into an FSDP2 model's shards without `load_state_dict`); the default scope never
+    reuses a copy past the next call. Returns how many caches were cleared.
 
     >>> model = bs.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), bs.recipes.get("nvfp4"))
     >>> with torch.no_grad():
