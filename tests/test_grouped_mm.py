@@ -872,6 +872,7 @@ def test_gpu_launches_stay_inside_their_tensors():
         pytest.skip("needs CUDA's compute-sanitizer")
     code = (
         "import importlib.util, sys\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"  # its import of test_linear
         f"spec = importlib.util.spec_from_file_location('t', {__file__!r})\n"
         "t = importlib.util.module_from_spec(spec); spec.loader.exec_module(t)\n"
         "for name, recipe in t.RECIPES.items():\n"
