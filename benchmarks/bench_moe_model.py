@@ -30,7 +30,7 @@ head, embeddings and routers stay BF16 either way.
 
 The step is bench_model.py's: FP32 parameters, forward under BF16 autocast (CUDA), FP32
 cross-entropy, backward, clipping at 1.0, fused AdamW. "compile" is plain
-`torch.compile(model)`. Columns:
+`torch.compile(model)` (`--compile-mode reduce-overhead`: CUDA graph replays). Columns:
 
 - first_s, step_ms (median of --steps after --warmup), tokens_per_s and tok_vs_bf16: one
   process runs every recipe of a model and mode, so the ratios compare like with like;
@@ -199,7 +199,7 @@ def run_case(name: str, mode: str, recipe: str, args, device: torch.device) -> d
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=1e-4, fused=device.type == "cuda", foreach=None
         )
-        forward = torch.compile(model) if mode == "compile" else model
+        forward = torch.compile(model, mode=args.compile_mode) if mode == "compile" else model
         step = bench_model.make_step(model, optimizer, forward, device)
         gen = torch.Generator().manual_seed(1)
         shape = (args.batch_size, args.seq_len + 1)
@@ -248,6 +248,8 @@ def peak_alone(name: str, mode: str, recipe: str, args) -> dict[str, Any]:
         if args.no_weight_cache:
             command.append("--no-weight-cache")
         command += ["--bf16-tail-fraction", str(args.bf16_tail_fraction)]
+        if args.compile_mode:
+            command += ["--compile-mode", args.compile_mode]
         if args.fp32_grad_weight_launch:
             command += ["--fp32-grad-weight-launch", args.fp32_grad_weight_launch]
         if args.activation_codes:
@@ -297,6 +299,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
     parser.add_argument("--compile-timeout", type=float, default=240.0, help="s, 0: none")
+    parser.add_argument("--compile-mode", default=None,
+                        help="torch.compile's mode (default: none, plain torch.compile(model)); "
+                        "'reduce-overhead' replays the step's kernels as CUDA graphs")  # fmt: skip
     parser.add_argument("--memory", choices=["process", "inline", "none"], default=None,
                         help="peak memory from a process per recipe (the default), the shared "
                              "process, or not at all (the default with --smoke)")  # fmt: skip
