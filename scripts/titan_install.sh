@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repository root with .titan-wheels/ carried
+# (scripts/titan_wheels.sh made it): installs one torchtitan version and what its trainer needs
+# into a folder of its own, without the network, and prints the PYTHONPATH to use.
+#
+#   scripts/titan_install.sh 0.2.2 [TARGET]     (default TARGET: /tmp/titan-0.2.2)
+#   export PYTHONPATH=/tmp/titan-0.2.2
+#
+# optional/ (torchao) is installed where it was downloaded.
+set -euo pipefail
+version=${1:?which torchtitan: 0.2.2 or 0.3.0}
+target=${2:-/tmp/titan-$version}
+wheels=(.titan-wheels/common/*.whl ".titan-wheels/$version"/*.whl)
+[ -d .titan-wheels/optional ] && wheels+=(.titan-wheels/optional/*.whl)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --find-links .titan-wheels/common --find-links ".titan-wheels/$version" \
+  --target "$target" "${wheels[@]}"
+echo "export PYTHONPATH=$target"

@@ -1,0 +1,321 @@
+"""torchtitan's own Trainer on local text, end to end on the CPU (issue 61; docs/TORCHTITAN.md,
+"Training on local text"): blockscale/integrations/titan/{local_text,train,train_v0_3,
+train_v0_2}.py and benchmarks/bench_titan.py.
+
+Without torchtitan: the tokenizer written for torchtitan's assets folder, the local-text
+dataset in both versions' layouts (and its resume), and the launcher's `datasets` stand-in.
+With torchtitan (one version at a time, as tests/test_torchtitan.py; the other's tests skip
+saying why): the real Trainer, one gloo rank in a process of its own through the launcher, on
+torchtitan's debug model with a tokenizer trained on a slice of this Python's standard
+library: BF16 and blockscale's NVFP4 through bench_titan's smoke run (finite losses, the
+converter's log line, the JSON), and, without `datasets` (the launcher's stand-in), a run
+stopped at a checkpoint and resumed, whose losses equal those of a run that did not stop, bit
+for bit (the data loader's position comes back).
+"""
+
+import gzip
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import sysconfig
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockscale.integrations.titan.local_text import (
+    BOS,
+    EOS,
+    LocalTextDataset,
+    documents,
+    text_files,
+    write_tokenizer,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+try:
+    TITAN = version("torchtitan") if importlib.util.find_spec("torchtitan") else None
+except PackageNotFoundError:  # importable from a source tree without its metadata
+    TITAN = None
+TITAN_MINOR = tuple(int(part) for part in TITAN.split(".")[:2]) if TITAN else None
+needs_v0_3 = pytest.mark.skipif(
+    TITAN_MINOR is None or TITAN_MINOR < (0, 3),
+    reason=f"torchtitan 0.3.x's trainer needs torchtitan 0.3.x (installed: {TITAN})",
+)
+needs_v0_2 = pytest.mark.skipif(
+    TITAN_MINOR != (0, 2),
+    reason=f"torchtitan 0.2.2's trainer needs torchtitan 0.2.x (installed: {TITAN})",
+)
+TIMEOUT = 300  # s a trainer process may take on a loaded two-core CI machine
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """About 300 KB of text: standard-library modules, documents split at blank lines."""
+    folder = tmp_path_factory.mktemp("text")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    text = "\n\n".join((stdlib / f"{name}.py").read_text() for name in
+                       ("argparse", "textwrap", "dataclasses", "functools", "inspect"))  # fmt: skip
+    (folder / "part1.txt").write_text(text[: len(text) // 2])
+    with gzip.open(folder / "part2.txt.gz", "wt") as f:
+        f.write(text[len(text) // 2 :])
+    return folder
+
+
+@pytest.fixture(scope="module")
+def assets(corpus, tmp_path_factory):
+    return write_tokenizer(text_files(str(corpus)), tmp_path_factory.mktemp("bpe-2k"), 2048)
+
+
+class CountingTokenizer:
+    """Each document's characters as ids, BOS 1 and EOS 2 around them."""
+
+    def encode(self, text, *, add_bos, add_eos):
+        return [1] * add_bos + [3 + ord(c) % 50 for c in text] + [2] * add_eos
+
+
+def test_documents_are_split_at_blank_lines(tmp_path):
+    (tmp_path / "a.txt").write_text("one\nline two\n\n\n  \nthree\n")
+    with gzip.open(tmp_path / "b.txt.gz", "wt") as f:
+        f.write("four\n\nfive")
+    files = text_files(f"{tmp_path / 'a.txt'},{tmp_path / 'b.txt.gz'}")
+    assert list(documents(files)) == ["one\nline two", "three", "four", "five"]
+    assert text_files(str(tmp_path)) == [tmp_path / "a.txt", tmp_path / "b.txt.gz"]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        text_files(str(tmp_path / "missing.txt"))
+
+
+def test_tokenizer_is_the_assets_folder_torchtitan_reads(assets):
+    from tokenizers import Tokenizer
+
+    config = json.loads((assets / "tokenizer_config.json").read_text())
+    assert (config["bos_token"], config["eos_token"]) == (BOS, EOS)
+    tokenizer = Tokenizer.from_file(str(assets / "tokenizer.json"))
+    assert tokenizer.get_vocab_size() == 2048
+    assert (tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)) == (0, 1)
+    text = "def f(x):\n    return x ** 2  # naïve, 中文, ✓\n"
+    ids = tokenizer.encode(text).ids
+    assert tokenizer.decode(ids) == text  # byte-level: any text, no unknown token
+    assert len(ids) < len(text.encode())  # merges learned from the text
+
+
+def test_documents_layout_shifts_within_documents_and_resets_positions(tmp_path):
+    (tmp_path / "t.txt").write_text("abc\n\nde\n\nfghij\n\nk")
+    data = LocalTextDataset(text_files(str(tmp_path)), CountingTokenizer(), seq_len=4,
+                            infinite=False)  # fmt: skip
+    rows = list(data)
+    inputs = torch.cat([row["input"] for row, _ in rows]).tolist()
+    labels = torch.cat([label for _, label in rows]).tolist()
+    docs = [[1, *(3 + ord(c) % 50 for c in d), 2] for d in ("abc", "de", "fghij", "k")]
+    expected_inputs = [t for d in docs for t in d[:-1]]
+    expected_labels = [t for d in docs for t in d[1:]]
+    n = len(inputs)  # whole rows only: the rest waits in the buffer
+    assert n == 4 * len(rows) and (inputs, labels) == (expected_inputs[:n], expected_labels[:n])
+    assert rows[0][0]["positions"].tolist() == [0, 1, 2, 3]  # "abc": BOS a b c
+    assert rows[1][0]["positions"].tolist() == [0, 1, 2, 0]  # "de", then "fghij" begins
+    assert rows[2][0]["positions"].tolist() == [0, 1, 2, 3]  # "fghij" goes on, counted from 0
+
+
+def test_stream_layout_keeps_eos_in_the_inputs(tmp_path):
+    (tmp_path / "t.txt").write_text("abc\n\nde\n\nfghij")
+    data = LocalTextDataset(text_files(str(tmp_path)), CountingTokenizer(), seq_len=5,
+                            infinite=False, layout="stream")  # fmt: skip
+    (row, label), *_ = list(data)
+    assert list(row) == ["input"]
+    assert row["input"][1:].tolist() == label[:-1].tolist()
+    assert 2 in row["input"].tolist()  # the first document's EOS, where 0.2.2 masks
+
+
+@pytest.mark.parametrize("layout", ["documents", "stream"])
+def test_ranks_share_the_documents_and_a_restored_state_reads_on(corpus, assets, layout):
+    from tokenizers import Tokenizer
+
+    hf = Tokenizer.from_file(str(assets / "tokenizer.json"))
+
+    class Encoder:
+        def encode(self, text, *, add_bos, add_eos):
+            return [0] * add_bos + hf.encode(text).ids + [1] * add_eos
+
+    files = text_files(str(corpus))
+
+    def dataset(rank=0, world=1):
+        return LocalTextDataset(files, Encoder(), 32, dp_rank=rank, dp_world_size=world,
+                                layout=layout)  # fmt: skip
+
+    seen = []
+    for rank in (0, 1):
+        shard = dataset(rank, 2)
+        iterator = iter(shard)
+        next(iterator)
+        seen.append(shard._next_doc)
+    assert seen[0] != seen[1]  # each rank reads its own documents
+    whole, part = iter(dataset()), dataset()
+    rows = [next(whole) for _ in range(6)]
+    iterator = iter(part)
+    for _ in range(3):
+        next(iterator)
+    resumed = dataset()
+    resumed.load_state_dict(part.state_dict())
+    for (row, label), (expected, expected_label) in zip(iter(resumed), rows[3:]):
+        assert torch.equal(row["input"], expected["input"])
+        assert torch.equal(label, expected_label)
+
+
+def test_data_loader_workers_read_their_own_documents(tmp_path):
+    """With `num_workers`, each worker process is a reader of its own (every n-th document),
+    as a rank is: the loader's rows are rank 0 and rank 1 of a two-rank split, in turn."""
+    (tmp_path / "t.txt").write_text("\n\n".join(f"document {i} " * 3 for i in range(40)))
+    files = text_files(str(tmp_path))
+
+    def dataset(rank=0, world=1):
+        return LocalTextDataset(files, CountingTokenizer(), 8, dp_rank=rank,
+                                dp_world_size=world, infinite=False)  # fmt: skip
+
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=None, num_workers=2)
+    rows = [row["input"] for row, _ in loader]
+    halves = [[row["input"] for row, _ in dataset(rank, 2)] for rank in (0, 1)]
+    assert torch.equal(rows[0], halves[0][0]) and torch.equal(rows[1], halves[1][0])
+    assert len(rows) == len(halves[0]) + len(halves[1])
+
+
+def test_launcher_stands_in_for_a_missing_datasets():
+    code = (
+        "import sys; sys.modules['datasets'] = None\n"  # what an uninstalled package raises
+        "from blockscale.integrations.titan.train import install_datasets_stand_in\n"
+        "assert install_datasets_stand_in()\n"
+        "from datasets import Dataset, load_dataset\n"
+        "from datasets.distributed import split_dataset_by_node\n"
+        "try:\n    load_dataset('allenai/c4')\nexcept ImportError as e:\n    print(e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, cwd=ROOT)  # fmt: skip
+    assert "local text does not" in done.stdout
+
+
+@pytest.fixture(scope="module")
+def no_datasets(tmp_path_factory):
+    """A folder whose `datasets` package fails to import, as where it is not installed (the
+    GPU machines): first on the path, the trainer runs on the launcher's stand-in."""
+    folder = tmp_path_factory.mktemp("no_datasets")
+    (folder / "datasets").mkdir()
+    (folder / "datasets" / "__init__.py").write_text("raise ImportError('not installed')\n")
+    return folder
+
+
+def run_trainer(titan_args, log, path_first=None):
+    """torchtitan's trainer in a process of its own, through blockscale's launcher."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "1", "-m", "blockscale.integrations.titan.train",
+               *titan_args]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    path = (str(ROOT), path_first and str(path_first), env.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
+    with open(log, "w") as out:
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                              timeout=TIMEOUT)  # fmt: skip
+    assert done.returncode == 0, Path(log).read_text()[-3000:]
+
+
+def losses(dump):
+    records = [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss_metrics/global_avg_loss"] for r in records}
+
+
+def bench_smoke(corpus, assets, tmp_path):
+    """bench_titan's CPU smoke run (the debug model, BF16 and NVFP4): its JSON rows and each
+    recipe's trainer log."""
+    out = tmp_path / "bench.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_titan.py"), "--smoke",
+               "--assets", str(assets), "--data", str(corpus), "--dump", str(tmp_path / "runs"),
+               "--out", str(out), "--timeout", str(TIMEOUT)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=2 * TIMEOUT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["recipe"], r["status"]) for r in rows] == [("bf16", "ok"), ("nvfp4", "ok")], rows
+    for row in rows:
+        assert row["steps_done"] == 3 and all(math.isfinite(loss) for _, loss in row["losses"])
+        assert row["tokens_per_s"] > 0
+    assert rows[1]["tok_vs_bf16"] > 0 and "tok_vs_bf16" in done.stdout  # the table, last
+    return rows, [Path(r["dump"]) / "log.txt" for r in rows]
+
+
+def resumes_bit_for_bit(titan_args, tmp_path, no_datasets):
+    """4 steps in one run, and 2 then 2 more resumed from the step-2 checkpoint: the same
+    losses (a 2-step warm-up, then no decay before step 4: the schedules of 2 and 4 steps
+    agree where both run). Without `datasets`, as on the GPU machines."""
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    run_trainer(titan_args(4, whole), tmp_path / "whole.log", no_datasets)
+    run_trainer(titan_args(2, parts), tmp_path / "part1.log", no_datasets)
+    run_trainer(titan_args(4, parts), tmp_path / "part2.log", no_datasets)
+    assert "Loading the checkpoint" in (tmp_path / "part2.log").read_text()
+    assert "a stand-in takes its place" in (tmp_path / "whole.log").read_text()
+    expected = losses(whole)
+    assert sorted(expected) == [1, 2, 3, 4] and all(map(math.isfinite, expected.values()))
+    assert losses(parts) == expected
+
+
+@needs_v0_3
+def test_v0_3_trainer_trains_bf16_and_nvfp4_through_the_bench(corpus, assets, tmp_path):
+    rows, (bf16_log, nvfp4_log) = bench_smoke(corpus, assets, tmp_path)
+    line = "blockscale: 35 of 48 linears and 4 of 5 experts modules to recipe nvfp4"
+    assert line in nvfp4_log.read_text() and "blockscale:" not in bf16_log.read_text()
+
+
+@needs_v0_3
+def test_v0_3_trainer_resumes_from_its_checkpoint(corpus, assets, tmp_path, no_datasets):
+    def titan_args(steps, dump):
+        return ["--module", "blockscale.integrations.titan.train_v0_3",
+                "--config", "deepseek_v3_debugmodel", "--hf_assets_path", str(assets),
+                "--dataloader.dataset_path", str(corpus), "--dump_folder", str(dump),
+                "--training.steps", str(steps),
+                "--training.local_batch_size", "2", "--training.seq_len", "64",
+                "--checkpoint.enable", "--checkpoint.interval", "2", "--debug.seed", "0",
+                "activation-checkpoint:none"]  # fmt: skip
+
+    resumes_bit_for_bit(titan_args, tmp_path, no_datasets)
+
+
+@needs_v0_2
+def test_v0_2_trainer_trains_bf16_and_nvfp4_through_the_bench(corpus, assets, tmp_path):
+    rows, (bf16_log, nvfp4_log) = bench_smoke(corpus, assets, tmp_path)
+    line = "converted 35 of 46 linears and 6 of 9 expert weights to recipe nvfp4"
+    assert line in nvfp4_log.read_text() and "converted" not in bf16_log.read_text()
+
+
+@needs_v0_2
+def test_v0_2_trainer_resumes_from_its_checkpoint(corpus, assets, tmp_path, no_datasets):
+    def titan_args(steps, dump):
+        return ["--experimental.custom_import", "blockscale.integrations.titan.train_v0_2",
+                "--model.name", "llama4_local_text", "--model.flavor", "debugmodel",
+                "--job.dump_folder", str(dump),
+                "--model.hf_assets_path", str(assets), "--training.dataset_path", str(corpus),
+                "--training.steps", str(steps), "--training.local_batch_size", "2",
+                "--training.seq_len", "64", "--metrics.log_freq", "1", "--debug.seed", "0",
+                "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0",
+                "--checkpoint.enable", "--checkpoint.interval", "2",
+                "--checkpoint.no_last_save_model_only",
+                "--activation_checkpoint.mode", "none"]  # fmt: skip
+
+    resumes_bit_for_bit(titan_args, tmp_path, no_datasets)
+
+
+@needs_v0_3
+def test_v0_3_local_text_override_replaces_the_trainers_data_loader_only():
+    """`--override.imports '...train_v0_3.local_text={"path": ...}'` on torchtitan's own
+    DeepSeek-V3 config: its data loader becomes local text; the validator's stays."""
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+
+    from blockscale.integrations.titan.train_v0_3 import LocalTextDataLoader
+
+    config = deepseek_v3_debugmodel()
+    validator_loader = config.validator.dataloader
+    target = "blockscale.integrations.titan.train_v0_3.local_text"
+    apply_overrides(OverrideConfig(imports=[(target, {"path": "a.txt,b.txt.gz"})]), config)
+    assert isinstance(config.dataloader, LocalTextDataLoader.Config)
+    assert config.dataloader.dataset_path == "a.txt,b.txt.gz"
+    assert config.validator.dataloader is validator_loader
