@@ -10,6 +10,18 @@ for block in model.layers:
 fully_shard(model)
 ```
 
+A model built on the meta device (torchtitan's order) takes the same calls, followed by
+`model.to_empty(device=...)` and an in-place init; `to_empty` may come before `fully_shard` too.
+`to_empty` makes each weight with `empty_like`, which keeps the ShardedWeight as `.to` does
+(`_apply` swaps it in, with or without `torch.__future__.set_swap_module_params_on_conversion`,
+and FSDP2's `reset_sharded_param` takes it as the new shard), and an in-place init
+(`nn.init.*`, `copy_`) writes into it. A weight that loses it all the same before its layer's
+first forward (an `_apply` that swaps plain tensors in, `load_state_dict(assign=True)`) makes
+that forward raise instead of gathering unquantized (`_QuantizedGatherCheck`). Not caught:
+`p.data = tensor` on a ShardedWeight, which it ignores (it keeps the tensor it wraps), as it
+does an `_apply` that sets `.data` (a plain result on the same device, swapping off): write
+values in place instead.
+
 Mechanism: FSDP2's tensor-subclass all-gather extension (`fsdp_pre_all_gather` /
 `fsdp_post_all_gather` on the parameter's local tensor; run on torch 2.13, docs/DISTRIBUTED.md
 says why 2.11-2.12 should behave the same).
@@ -85,6 +97,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map_only
+from torch.utils.hooks import RemovableHandle
 
 from blockscale.distributed._collectives import all_reduce_amax
 from blockscale.distributed.weight import (
@@ -102,9 +115,10 @@ from blockscale.ops.weight_cache import WeightCache
 from blockscale.recipes import Format, OperandConfig, Recipe, Rounding
 
 # Ops whose results stay ShardedWeights: the ones FSDP uses to cut the shard out of the full
-# weight and pad it, plain re-descriptions of the same values, and moves (`model.to`). Every
-# other op sees the FP32 tensor and returns plain tensors: the optimizer's state
-# (`zeros_like`), arithmetic, clones.
+# weight and pad it, plain re-descriptions of the same values, moves (`model.to`) and the
+# uninitialized copy `to_empty` materializes a meta weight with (`empty_like`). Every other op
+# sees the FP32 tensor and returns plain tensors: the optimizer's state (`zeros_like`),
+# arithmetic, clones.
 _KEEP_SUBCLASS = {
     torch.ops.aten.detach.default,
     torch.ops.aten.alias.default,
@@ -120,6 +134,7 @@ _KEEP_SUBCLASS = {
     torch.ops.aten.new_empty.default,
     torch.ops.aten._to_copy.default,
     torch.ops.aten._pin_memory.default,
+    torch.ops.aten.empty_like.default,
 }
 
 
@@ -640,12 +655,51 @@ ShardedWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(  # type: ig
 )
 
 
+class _QuantizedGatherCheck:
+    """A forward pre-hook on each layer `enable_quantized_all_gather` prepared: at the layer's
+    first forward it raises if the weight is no longer a ShardedWeight, nor the QuantizedWeight
+    FSDP2 assembles from one, so that nothing that replaced it (an `_apply` that swaps plain
+    tensors in, `load_state_dict(assign=True)`, a new Parameter) leaves FSDP2
+    all-gathering the weight unquantized without a word. FSDP2's own pre-forward hook runs
+    first (it is prepended), so a layer under FSDP2 shows its gathered weight here. The first
+    QuantizedWeight seen removes the hook (eager; under torch.compile it is traced, and costs
+    nothing at run time); a weight that is still a ShardedWeight (not sharded yet, or on the
+    meta device) keeps it, as a later `to_empty` or `fully_shard` may follow."""
+
+    def __init__(self, weight_name: str) -> None:
+        self.weight_name = weight_name
+        self.handle: RemovableHandle | None = None
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        weight = module.weight
+        if isinstance(weight, QuantizedWeight):
+            if not torch.compiler.is_compiling():
+                self.remove()
+            return
+        if isinstance(weight, ShardedWeight):
+            return
+        raise RuntimeError(
+            f"{self.weight_name} was prepared by enable_quantized_all_gather but is now a "
+            f"{type(weight).__name__} of {weight.dtype}, not a ShardedWeight: something "
+            "replaced it (an _apply that swapped plain tensors in, "
+            "load_state_dict(assign=True), a new Parameter), and FSDP2 would all-gather it "
+            "unquantized. Call enable_quantized_all_gather after that change (and before "
+            "fully_shard)"
+        )
+
+
 def enable_quantized_all_gather(model: nn.Module) -> int:
     """Make FSDP2 all-gather the weights of `model`'s quantized blockscale Linears as NVFP4 /
-    MXFP8 (see this module's docstring). Call after `convert` and before `fully_shard`;
-    returns the number of weights changed. A Parameter shared by several layers is wrapped
-    once. A model with no quantized blockscale Linear raises a ValueError (called before
-    `convert`, or with a bf16 recipe, it would otherwise gather every weight unquantized).
+    MXFP8 (see this module's docstring). Call after `convert` and before `fully_shard`, on a
+    model built on the meta device too; returns the number of weights changed. A Parameter
+    shared by several layers is wrapped once. A model with no quantized blockscale Linear
+    raises a ValueError (called before `convert`, or with a bf16 recipe, it would otherwise
+    gather every weight unquantized). Each prepared layer's first forward checks that its
+    weight still takes the quantized all-gather (`_QuantizedGatherCheck`).
 
     >>> model = bs.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), bs.recipes.get("nvfp4"))
     >>> bs.distributed.enable_quantized_all_gather(model)  # then fully_shard(model) as usual
@@ -684,4 +738,10 @@ def enable_quantized_all_gather(model: nn.Module) -> int:
                 wrapped = ShardedWeight(weight.data)
                 done[id(weight)] = nn.Parameter(wrapped, requires_grad=weight.requires_grad)
         module.weight = done[id(weight)]
+        previous = getattr(module, "_quantized_gather_check", None)
+        if isinstance(previous, _QuantizedGatherCheck):
+            previous.remove()  # called again: one check a layer
+        check = _QuantizedGatherCheck(f"{name}.weight" if name else "weight")
+        module._quantized_gather_check = check
+        check.handle = module.register_forward_pre_hook(check)
     return len(done)

@@ -21,8 +21,17 @@ BF16 tail's experts through `torch._grouped_mm` itself) skip that padding
 (`UnpaddedGroupedExperts`: the same products, without the gather and its scatter back).
 Weights that are DTensors (tensor or expert parallelism) keep torchtitan's own forward.
 Unverified on a GPU: whether torch's BF16 grouped GEMM takes unpadded groups there.
+
+Under FSDP (`parallel_dims.fsdp_enabled`: dp_shard or cp above 1, the condition on which
+torchtitan's parallelize calls `fully_shard`) the converter also calls
+`blockscale.distributed.enable_quantized_all_gather` on the converted meta model, so FSDP2
+all-gathers the converted linears' weights as NVFP4 / MXFP8 codes and scales; their
+`ShardedWeight`s survive the trainer's `to_empty` and `init_weights`. Not under tensor or
+pipeline parallelism (`quantized_all_gather_reason`; the log says which): there the weights
+gather in torchtitan's mixed-precision dtype.
 """
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +42,7 @@ from torchtitan.models.moe.moe import GroupedExperts, _run_experts_grouped_mm
 from torchtitan.protocols.model_converter import register_model_converter
 
 import blockscale.nn as bsnn
+from blockscale.distributed.fsdp import enable_quantized_all_gather
 from blockscale.integrations.titan import (
     DEFAULT_BF16_TAIL_FRACTION,
     DEFAULT_RECIPE,
@@ -42,6 +52,7 @@ from blockscale.integrations.titan import (
 from blockscale.recipes import get as get_recipe
 
 NAME = "blockscale"
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -86,12 +97,25 @@ def model_policy(model: nn.Module, options: Blockscale) -> TitanPolicy:
     return titan_policy(names, options.bf16_tail_fraction, options.fqns, options.bf16_fqns)
 
 
+def quantized_all_gather_reason(parallel_dims: Any) -> str | None:
+    """Why torchtitan's parallelization leaves the converted linears' FSDP2 all-gather in high
+    precision, or None when it takes the quantized one (module docstring)."""
+    if parallel_dims is None or not parallel_dims.fsdp_enabled:
+        return "no FSDP sharding (dp_shard and cp are 1)"
+    if parallel_dims.tp_enabled:
+        return "tensor parallelism shards the weights before FSDP"
+    if parallel_dims.pp_enabled:
+        return "pipeline parallelism deep-copies the model, which a ShardedWeight does not allow"
+    return None
+
+
 class BlockscaleConverter:
     """torchtitan 0.2.2's `ModelConverter` for blockscale's recipes (module docstring)."""
 
     def __init__(self, job_config: Any, parallel_dims: Any) -> None:
         self.options = getattr(job_config, "blockscale", None) or Blockscale()
         self.recipe = get_recipe(self.options.recipe)  # an unknown name fails before a build
+        self.parallel_dims = parallel_dims
 
     def convert(self, model: nn.Module) -> None:
         if not self.recipe.quantized:
@@ -102,6 +126,14 @@ class BlockscaleConverter:
                 # convert routes every experts module (BF16 ones through torch's grouped GEMM)
                 module.__class__ = UnpaddedGroupedExperts
         bsnn.convert(model, self.recipe, module_filter_fn=policy)
+        if not any(isinstance(m, bsnn.Linear) and m.recipe.quantized for m in model.modules()):
+            return  # only experts converted: nothing to gather quantized
+        reason = quantized_all_gather_reason(self.parallel_dims)
+        if reason is None:
+            count = enable_quantized_all_gather(model)
+            logger.info("blockscale: FSDP2 all-gathers %d linear weights quantized", count)
+        else:
+            logger.info("blockscale: linear weights all-gathered in high precision: %s", reason)
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         """Nothing: every step quantizes the weights the optimizer has just written (the

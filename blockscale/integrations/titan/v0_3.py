@@ -21,6 +21,15 @@ What it builds are torchtitan `Module`s, as the trainer requires of every submod
 
 Layers whose dims do not fit the recipe's blocks stay as they are, with a warning, as in
 `convert`.
+
+Not done in 0.3: FSDP2's quantized all-gather (`enable_quantized_all_gather`, which the 0.2.2
+converter turns on). A 0.3 converter sees the model config only, before the build: never the
+built model nor the parallel dims, and nothing of torchtitan calls it after the build. Wrapping
+the weight in `BlockscaleLinear`'s constructor would not know whether FSDP2 follows, nor how:
+0.3's default `spmd_backend` ("spmd_types") first makes every parameter a DTensor on the whole
+mesh and hands those to `fully_shard`, a path the quantized all-gather was never run on. So
+under 0.3 FSDP2 gathers the converted linears' weights in torchtitan's mixed-precision dtype,
+and each layer quantizes its gathered weight, as without FSDP (the `convert` log says so).
 """
 
 from __future__ import annotations
@@ -175,6 +184,11 @@ class BlockscaleConverter(QuantizationConverter):
             *counts,
             self.recipe.name,
         )
+        if counts[0]:
+            logger.info(
+                "blockscale: under FSDP2 the converted linears' weights are all-gathered in "
+                "high precision (torchtitan 0.3: no quantized all-gather; docs/TORCHTITAN.md)"
+            )
         return model_config
 
 
