@@ -145,9 +145,11 @@ def test_dq_only_activations_give_the_same_step(name, monkeypatch):
 
         return call
 
-    launchers = {  # (ops/quantize.py passes quantize_both_2d's codes as its 12th argument)
+    launchers = {  # (ops/quantize.py passes quantize_both_2d's codes as its 12th argument,
+        # mxfp8_quantize_both_checked's as its 4th)
         "quantize_both_2d": lambda a, kw: a[11] if len(a) > 11 else kw.get("codes", True),
         "mxfp8_quantize_both": lambda a, kw: kw.get("codes", True),
+        "mxfp8_quantize_both_checked": lambda a, kw: a[3] if len(a) > 3 else kw.get("codes", True),
     }
     for attr, codes_of in launchers.items():
         monkeypatch.setattr(bk, attr, spy(getattr(bk, attr), codes_of))

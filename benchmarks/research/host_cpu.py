@@ -6,7 +6,12 @@ without a GPU. Here the kernel path runs on CPU tensors (`_library.use_kernels` 
 as the kernel tests do under the interpreter) with every Triton launch replaced by a counter:
 each call does all the host work of the CUDA path (checks, containers, allocations, views,
 dispatch, autograd) except the launches themselves and what CUDA adds to each torch call.
-The emulated GEMM reads BF16 operands, as on CUDA (not the CPU's FP32 ones).
+The emulated GEMM reads BF16 operands, as on CUDA (not the CPU's FP32 ones), and cuBLAS's FP32
+product (MXFP8's grad_weight of an FP32 master) is counted as a launch, not multiplied on the
+CPU (until 2026-12-05 it was, inside the mxfp8 rows' figures). BF16's `F.linear` row does run
+its three GEMMs on the CPU: at the default shape most of its figure is that arithmetic, so it
+is an upper bound on BF16's host time, not a measure of it. Torch's CPU ops run in one thread
+(`stub_launches`, with the reason).
 
 This CPU host is a shared VM whose speed drifts within a run, so each figure is the fastest of
 many short blocks, divided by the fastest block of a fixed calibration loop (ten reshapes,
@@ -42,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, fro
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from blockscale import _library  # noqa: E402
-from blockscale.gemm import dispatch  # noqa: E402
+from blockscale.gemm import dispatch, emulated  # noqa: E402
 
 KERNEL_MODULES = ("amax", "epilogue", "gemm", "grouped", "grouped_gemm", "master_cast", "mxfp8",
                   "nvfp4", "swizzle", "transpose")  # fmt: skip
@@ -60,8 +65,20 @@ def stub_launches() -> None:
         for attr in ("launch", "direct"):
             if hasattr(module, attr):
                 setattr(module, attr, counted)
+
+    def fp32_product(a_dq: torch.Tensor, b_dq: torch.Tensor) -> torch.Tensor:
+        LAUNCHES["n"] += 1  # cuBLAS's FP32 product on CUDA: a launch, not a CPU GEMM
+        return torch.empty(a_dq.shape[0], b_dq.shape[0])
+
     _library.use_kernels = lambda t: True
     dispatch._device = lambda op: torch.device("cuda")  # BF16 `_dq` operands, as on CUDA
+    # The stubs leave the kernels' outputs unwritten: where that memory held denormals, the
+    # autograd engine's gradient accumulation (real CPU arithmetic) ran up to 100x slower, at
+    # random from one version of the code (its allocation order) to the next. Denormals are
+    # flushed in this thread only, so torch's CPU ops run in it alone.
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    emulated.mm_fp32_accumulate = fp32_product
 
 
 _SCRATCH = torch.empty(64, 64)

@@ -212,7 +212,9 @@ def _emulated(
     dq_dtype = torch.bfloat16 if _device(a).type == "cuda" else torch.float32
     a_dq, b_dq = a.dq(dq_dtype), b.dq(dq_dtype)
     if _fused_epilogue(a_dq, out_dtype, bias):
-        return _emulated_fused(a_dq, b_dq, _amaxes(a, b), bias, out_dtype)
+        # the kernel path (CUDA, or Triton's interpreter in tests): `_gemm` into a new output
+        amax_a, amax_b = _amaxes(a, b)
+        return _gemm(a_dq, b_dq, amax_a, amax_b, bias, out_dtype)
     alpha = _alpha(a, b)
     acc = emulated.mm_fp32_accumulate(a_dq, b_dq)
     if alpha is not None:
@@ -233,25 +235,14 @@ def _fused_epilogue(a_dq: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tens
     return _library.use_kernels(a_dq)
 
 
-def _amaxes(a: Operand, b: Operand) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The two NVFP4 tensor amaxes alpha is made of (None for MXFP8). Passed as they are: a
-    torch.stack would be one more launch per GEMM on a launch-bound step."""
-    if not _is_nvfp4(a):
-        return None
-    a_amax, b_amax = (op.base.amax if isinstance(op, Transposed) else op.amax for op in (a, b))
-    return a_amax, b_amax
-
-
-def _emulated_fused(
-    a_dq: torch.Tensor,
-    b_dq: torch.Tensor,
-    amax: tuple[torch.Tensor, torch.Tensor] | None,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """The kernel path (CUDA, or Triton's interpreter in tests): `_gemm` into a new output."""
-    amax_a, amax_b = amax if amax is not None else (None, None)
-    return _gemm(a_dq, b_dq, amax_a, amax_b, bias, out_dtype)
+def _amaxes(a: Operand, b: Operand) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The two NVFP4 tensor amaxes alpha is made of ((None, None) for MXFP8). Passed as they
+    are: a torch.stack would be one more launch per GEMM on a launch-bound step."""
+    if isinstance(a, Transposed):
+        a = a.base
+    if not isinstance(a, NVFP4Tensor):
+        return None, None
+    return a.amax, (b.base.amax if isinstance(b, Transposed) else b.amax)  # type: ignore[union-attr]
 
 
 @_registry.library_op("blockscale::emulated_gemm")
@@ -305,19 +296,17 @@ def _gemm_into(
     a time, and each chunk goes through the epilogue kernel into its rows of the output, so the
     FP32 tensor never exists whole (a [16384, 4096] BF16 output would otherwise need 256 MiB
     beside it). Runs on real tensors only (inside the `_gemm` op under torch.compile)."""
-    from blockscale.kernels import gemm as fused  # noqa: PLC0415 (Triton is optional)
-    from blockscale.kernels import gemm_epilogue  # noqa: PLC0415
-
+    kernels = _library.kernels()  # (Triton is optional: looked up, not imported here)
+    if CUBLAS_BF16_OUT and amax_a is None and bias is None and _cublas_bf16(a_dq, b_dq, out):
+        return
+    if FUSED_GEMM and kernels.gemm_into(a_dq, b_dq, amax_a, amax_b, bias, out):
+        return
     amax = None if amax_a is None else (amax_a, amax_b)
-    if CUBLAS_BF16_OUT and amax is None and bias is None and _cublas_bf16(a_dq, b_dq, out):
-        return
-    if FUSED_GEMM and fused.gemm_into(a_dq, b_dq, amax_a, amax_b, bias, out):
-        return
     m, n = out.shape
     rows = m if ACC_CHUNK_BYTES <= 0 else max(128, ACC_CHUNK_BYTES // (4 * max(n, 1)) // 128 * 128)
     for r0 in range(0, m, rows):
         acc = emulated.mm_fp32_accumulate(a_dq[r0 : r0 + rows], b_dq)
-        gemm_epilogue(acc, amax, bias, out=out[r0 : r0 + rows])
+        kernels.gemm_epilogue(acc, amax, bias, out=out[r0 : r0 + rows])
 
 
 def _cublas_bf16(a_dq: torch.Tensor, b_dq: torch.Tensor, out: torch.Tensor) -> bool:
@@ -364,11 +353,25 @@ def scaled_mm(
     True
     """
     _check(a, b, bias)
+    return scaled_mm_resolved(a, b, out_dtype, bias, resolve_backend(backend, _device(a)))
+
+
+def scaled_mm_resolved(
+    a: Operand,
+    b: Operand,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    backend: Backend,
+) -> torch.Tensor:
+    """`scaled_mm` on a resolved backend (emulated or native), for a caller whose operands pair
+    by construction: ops/linear.py, whose two operands of a GEMM are copies one validated
+    recipe pairs (one format, the Hadamard transform on both or neither), along the K its
+    shape check matched, with a bias of N values. The same result without `_check`, which
+    would repeat those checks at each of a layer's three GEMMs (issue 62: host time)."""
     if out_dtype not in emulated.OUT_DTYPES:
         raise ValueError(f"out_dtype {out_dtype} is not one of {emulated.OUT_DTYPES}")
-    if bias is not None:
+    if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
-    resolved = resolve_backend(backend, _device(a))
-    if resolved is Backend.NATIVE:
+    if backend is Backend.NATIVE:
         return _native(a, b, out_dtype, bias)
     return _emulated(a, b, out_dtype, bias)

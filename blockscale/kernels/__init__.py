@@ -9,6 +9,7 @@ the CPU tests): `available(x)` says which.
 from blockscale.kernels._common import available
 from blockscale.kernels.amax import amax, amax_fused, amax_hadamard_t
 from blockscale.kernels.epilogue import gemm_epilogue
+from blockscale.kernels.gemm import gemm_into
 from blockscale.kernels.grouped import (
     group_amax,
     mxfp8_quantize_experts,
@@ -23,7 +24,13 @@ from blockscale.kernels.grouped_gemm import (
     grouped_gemm_rows_packed,
     grouped_gemm_tokens,
 )
-from blockscale.kernels.mxfp8 import mxfp8_dequantize_dq, mxfp8_quantize, mxfp8_quantize_both
+from blockscale.kernels.mxfp8 import (
+    mxfp8_dequantize_dq,
+    mxfp8_quantize,
+    mxfp8_quantize_both,
+)
+from blockscale.kernels.mxfp8 import quantize_2d as mxfp8_quantize_checked
+from blockscale.kernels.mxfp8 import quantize_both_2d as mxfp8_quantize_both_checked
 from blockscale.kernels.nvfp4 import (
     nvfp4_dequantize_dq,
     nvfp4_quantize,
@@ -40,6 +47,7 @@ __all__ = [
     "amax_fused",
     "amax_hadamard_t",
     "gemm_epilogue",
+    "gemm_into",
     "group_amax",
     "grouped_gemm_rows",
     "grouped_gemm_rows_packed",
@@ -58,6 +66,8 @@ __all__ = [
     "nvfp4_transpose_16x16",
     "mxfp8_quantize",
     "mxfp8_quantize_both",
+    "mxfp8_quantize_checked",
+    "mxfp8_quantize_both_checked",
     "mxfp8_dequantize_dq",
     "swizzle_scales",
 ]

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from torch.utils._python_dispatch import _disable_current_modes
 
+from blockscale._registry import in_eager_call
 from blockscale.formats import hadamard as rht
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -44,10 +45,10 @@ def band_grid(rows: int, cols: int, bm: int, bk: int) -> tuple[tuple[int, int, i
     """(grid, band) for a kernel that finds its tile with `band_tile`: cdiv(num_m, BAND) bands
     of equal size (at most BAND row tiles, so the last band wastes fewer than one program a
     band; larger if the bands would pass the grid's 65535 limit on its third axis)."""
-    num_m, num_k = cdiv(rows, bm), cdiv(cols, bk)
-    bands = max(1, min(cdiv(num_m, BAND), 65535))
-    band = max(1, cdiv(num_m, bands))
-    return (band, num_k, cdiv(num_m, band)), band
+    num_m, num_k = -(-rows // bm), -(-cols // bk)  # (cdiv, inline: five calls a launch)
+    bands = max(1, min(-(-num_m // BAND), 65535))
+    band = max(1, -(-num_m // bands))
+    return (band, num_k, -(-num_m // band)), band
 
 
 @triton.jit
@@ -144,6 +145,26 @@ def copy_outputs(
     made_row = (rows, cols, device, dq_row, row_codes) if row else none
     made_col = (cols, t_cols, device, dq_col, col_codes) if col else none
     return (*empty(*made_row), *empty(*made_col)), (dq_row, dq_col, row_codes, col_codes)
+
+
+# The empty outputs eager calls hand out (`empty_rows`), one per shape, dtype and device.
+_EMPTY: dict[tuple, torch.Tensor] = {}
+
+
+def empty_rows(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`torch.empty(rows, cols)` for a quantize launch's output. One with no rows (a copy, or
+    its codes or `_dq`, not made: three to six of a launch's six outputs) is, in an eager call
+    (`_registry.in_eager_call`), one tensor made once and handed out again: an empty tensor
+    is never read or written, and only a registered op's outputs must not alias (a compiled
+    graph's calls get new ones). Each torch.empty is host time on a launch-bound step (issue
+    62)."""
+    if rows or not in_eager_call():
+        return torch.empty(rows, cols, dtype=dtype, device=device)
+    key = (cols, dtype, device)
+    found = _EMPTY.get(key)
+    if found is None:
+        found = _EMPTY[key] = torch.empty(0, cols, dtype=dtype, device=device)
+    return found
 
 
 def launch_tiles(cfg: tuple) -> tuple[int, int, dict]:

@@ -29,6 +29,7 @@ from blockscale.kernels._common import (
     e4m3_byte_value,
     e4m3_code_signed,
     e4m3_round,
+    empty_rows,
     exp2_int,
     interpreting,
     launch_kind,
@@ -217,9 +218,9 @@ TILES = {
 
 def _outputs(rows: int, cols: int, device, dq: bool, codes: bool = True):
     return (
-        torch.empty(rows if codes else 0, cols, dtype=torch.uint8, device=device),
-        torch.empty(rows if codes else 0, cols // BLOCK, dtype=torch.uint8, device=device),
-        torch.empty(rows if dq else 0, cols if dq else 0, dtype=torch.bfloat16, device=device),
+        empty_rows(rows if codes else 0, cols, torch.uint8, device),
+        empty_rows(rows if codes else 0, cols // BLOCK, torch.uint8, device),
+        empty_rows(rows if dq else 0, cols if dq else 0, torch.bfloat16, device),
     )
 
 
@@ -321,10 +322,32 @@ def mxfp8_quantize_both(
     return q_row, q_col
 
 
+def quantize_2d(
+    x2: torch.Tensor, transpose: bool, dq: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The launch of `mxfp8_quantize`, for callers that checked their arguments
+    (ops/quantize.py: x2 [M, K] of a float dtype, with K, or M for `transpose`, a multiple of
+    32), which then skip its checks and container. Returns (E4M3 bytes, E8M0 scale bytes, dq
+    or an empty tensor) of the copy along K, or along M ([K, M]) with `transpose`."""
+    out = _mxfp8_quantize_2d(x2, not transpose, transpose, dq, dq)
+    return out[3:] if transpose else out[:3]
+
+
+def quantize_both_2d(
+    x2: torch.Tensor, dq_row: bool, dq_col: bool, codes: bool = True
+) -> tuple[torch.Tensor, ...]:
+    """The launch of `mxfp8_quantize_both`, for callers that checked their arguments
+    (ops/quantize.py: x2 [M, K] of a float dtype, M and K multiples of 32), which then skip its
+    checks and containers: (data, scale, dq, data_t, scale_t, dq_t) as bytes, a `_dq` not
+    asked for empty; `codes=False`: a copy with its `_dq` is its `_dq` alone."""
+    return _mxfp8_quantize_2d(x2, True, True, dq_row, dq_col, codes, codes)
+
+
 def mxfp8_dequantize_dq(q: MXFP8Tensor) -> torch.Tensor:
     """The BF16 `_dq` operand (data * 2^e) of a saved MXFP8Tensor; equals q.dq(). Contiguous;
     the codes are read in place, also a stack of strided views (the expert copies along N)."""
-    lead, cols = q.shape[:-1], q.shape[-1]
-    data = row_stack(q.data.view(torch.uint8).reshape(*lead, cols))
-    scale = row_stack(q.scale.view(torch.uint8).reshape(*lead, cols // BLOCK))
-    return _mxfp8_dequantize_3d(data, scale).reshape(q.shape)
+    data, scale = q.data.view(torch.uint8), q.scale.view(torch.uint8)
+    if len(q.shape) != 2 or data.dim() != 2:  # (a 2-D operand's are [R, C] and [R, C/32])
+        lead, cols = q.shape[:-1], q.shape[-1]
+        data, scale = data.reshape(*lead, cols), scale.reshape(*lead, cols // BLOCK)
+    return _mxfp8_dequantize_3d(row_stack(data), row_stack(scale)).reshape(q.shape)

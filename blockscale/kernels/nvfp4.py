@@ -39,6 +39,7 @@ from blockscale.kernels._common import (
     e4m3_byte_value,
     e4m3_code_value,
     e4m3_decode,
+    empty_rows,
     hadamard_16,
     hadamard_matrix,
     interpreting,
@@ -513,9 +514,9 @@ TILES = {
 
 
 def _empty_like_spec(rows: int, cols: int, device, dq: bool, codes: bool = True):
-    data = torch.empty(rows if codes else 0, cols // 2, dtype=torch.uint8, device=device)
-    scale = torch.empty(rows if codes else 0, cols // BLOCK, dtype=torch.uint8, device=device)
-    dq_t = torch.empty(rows if dq else 0, cols if dq else 0, dtype=torch.bfloat16, device=device)
+    data = empty_rows(rows if codes else 0, cols // 2, torch.uint8, device)
+    scale = empty_rows(rows if codes else 0, cols // BLOCK, torch.uint8, device)
+    dq_t = empty_rows(rows if dq else 0, cols if dq else 0, torch.bfloat16, device)
     return data, scale, dq_t
 
 
@@ -703,11 +704,14 @@ def nvfp4_quantize_both(
     return q_row, q_col
 
 
-def _no_grad(t: torch.Tensor) -> torch.Tensor:
+def _no_grad(t: torch.Tensor, traced: bool | None = None) -> torch.Tensor:
     """t detached where autograd tracks it, and always under a trace (eager calls save the
-    op). Traced, the detach is kept: without it AOTAutograd's partitioner saved 22% more for
-    the backward of a compiled nvfp4 Llama (tests/test_saved_activations.py)."""
-    return t.detach() if t.requires_grad or tracing() else t
+    op; `traced`: `tracing()`, where the caller asked already). Traced, the detach is kept:
+    without it AOTAutograd's partitioner saved 22% more for the backward of a compiled nvfp4
+    Llama (tests/test_saved_activations.py)."""
+    if t.requires_grad:
+        return t.detach()
+    return t.detach() if (tracing() if traced is None else traced) else t
 
 
 def quantize_2d(
@@ -766,13 +770,16 @@ def quantize_both_2d(
     scale bytes, dq or an empty tensor, row amax, data_t, scale_t bytes, dq_t, column amax),
     each amax an FP32 scalar tensor (given ones converted as `nvfp4_quantize_both` does).
     `codes=False`: a copy with its `_dq` is written as the `_dq` alone (data, scale empty)."""
+    # (amaxes this call finds are FP32 scalars on x2's device already: only given ones convert)
     if amax_row is None or amax_col is None:
         plain, had = amax_fused(x2, hadamard_t=col_hadamard)
-        amax_row = plain if amax_row is None else amax_row
-        amax_col = (had if col_hadamard else plain) if amax_col is None else amax_col
-    if amax_row.dtype != torch.float32 or amax_row.dim() or amax_row.device != x2.device:
+    if amax_row is None:
+        amax_row = plain
+    elif amax_row.dtype != torch.float32 or amax_row.dim() or amax_row.device != x2.device:
         amax_row = _as_amax(amax_row, x2.device).reshape(())
-    if amax_col.dtype != torch.float32 or amax_col.dim() or amax_col.device != x2.device:
+    if amax_col is None:
+        amax_col = had if col_hadamard else plain
+    elif amax_col.dtype != torch.float32 or amax_col.dim() or amax_col.device != x2.device:
         amax_col = _as_amax(amax_col, x2.device).reshape(())
     seed = sr_seed(x2.device, generator) if row_sr or col_sr else None
     data, scale, dq, data_t, scale_t, dq_t = _nvfp4_quantize_2d(
@@ -781,14 +788,17 @@ def quantize_both_2d(
         col_hadamard=col_hadamard, dq_row=dq_row, dq_col=dq_col, row_codes=codes,
         col_codes=codes,
     )  # fmt: skip
-    return data, scale, dq, _no_grad(amax_row), data_t, scale_t, dq_t, _no_grad(amax_col)
+    traced = tracing()
+    return (data, scale, dq, _no_grad(amax_row, traced), data_t, scale_t, dq_t,
+            _no_grad(amax_col, traced))  # fmt: skip
 
 
 def nvfp4_dequantize_dq(q: NVFP4Tensor) -> torch.Tensor:
     """The BF16 `_dq` operand (code * block scale, no global scale) of a saved NVFP4Tensor;
     equals q.dq(). Contiguous; the codes are read in place, also a stack of strided views (a
     1x16 recipe's expert copies along N)."""
-    lead, cols = q.shape[:-1], q.shape[-1]
-    data = row_stack(q.data.reshape(*lead, cols // 2))
-    scale = row_stack(q.scale.view(torch.uint8).reshape(*lead, cols // BLOCK))
-    return _nvfp4_dequantize_3d(data, scale).reshape(q.shape)
+    data, scale = q.data, q.scale.view(torch.uint8)
+    if len(q.shape) != 2 or data.dim() != 2:  # (a 2-D operand's are [R, C/2] and [R, C/16])
+        lead, cols = q.shape[:-1], q.shape[-1]
+        data, scale = data.reshape(*lead, cols // 2), scale.reshape(*lead, cols // BLOCK)
+    return _nvfp4_dequantize_3d(row_stack(data), row_stack(scale)).reshape(q.shape)

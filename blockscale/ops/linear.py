@@ -153,7 +153,7 @@ from blockscale.gemm.dispatch import (
     Transposed,
     activation_codes,
     resolve_backend,
-    scaled_mm,
+    scaled_mm_resolved,
 )
 from blockscale.ops.quantize import (
     HighPrecisionTensor,
@@ -225,7 +225,7 @@ def _mm(
         b_hp = b.data.to(compute_dtype)  # type: ignore[union-attr]
         bias_hp = None if bias is None else bias.to(compute_dtype)
         return F.linear(a.data.to(compute_dtype), b_hp, bias_hp).to(out_dtype)
-    return scaled_mm(a, b, out_dtype=out_dtype, bias=bias, backend=backend)  # type: ignore[arg-type]
+    return scaled_mm_resolved(a, b, out_dtype, bias, backend)  # type: ignore[arg-type]
 
 
 def weight_operand(
@@ -506,7 +506,10 @@ def unaliased(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     transformers' Llama 4 adds its routed experts into the shared expert's output.
     `aten._unsafe_view` is the reshape `torch.matmul` returns for that reason (the experts
     router returns its bmm result so too). `contiguous` copies only an output no GEMM here
-    makes."""
+    makes. An `out` of that shape that is no view already (a 2-D input's) is returned as it
+    is, without the two calls."""
+    if out.shape == shape and out._base is None and out.is_contiguous():
+        return out
     return torch.ops.aten._unsafe_view(out.contiguous(), shape)
 
 
@@ -525,7 +528,7 @@ class _Linear(torch.autograd.Function):
         stamp: Stamp | None,
     ) -> torch.Tensor:
         lead, k = input.shape[:-1], input.shape[-1]
-        x = input.reshape(-1, k)
+        x = input if input.dim() == 2 else input.reshape(-1, k)
         # Under autocast, the autocast dtype's values of the input (module docstring, "Dtypes"):
         # traced, the cast is one more op for Inductor to fuse into the input's producer.
         ctx.cast_dtype = quantized_input_dtype(input, out_dtype)
@@ -617,7 +620,7 @@ def _backward_gemms(
     (`_LinearBackward`'s second derivative), which are then kept past their GEMM."""
     recipe: Recipe = ctx.recipe
     n = ctx.n_weight_tensors
-    go = grad_output.reshape(-1, grad_output.shape[-1])
+    go = grad_output if grad_output.dim() == 2 else grad_output.reshape(-1, grad_output.shape[-1])
     grad_input = grad_weight = grad_bias = None
     with autocast_off(go.device.type):
         row_cfg = recipe.grad_input.grad_output if ctx.needs_input_grad[0] else None
@@ -647,7 +650,10 @@ def _backward_gemms(
                     weight_t = Transposed(weight_t)  # type: ignore[arg-type]
             # in the dtype the forward cast the input to, then as a cast's backward would
             grad_input = _mm(go_lp, weight_t, ctx.cast_dtype, ctx.compute_dtype, ctx.backend)
-            grad_input = grad_input.reshape(ctx.input_shape).to(ctx.input_dtype)
+            if grad_input.dim() != len(ctx.input_shape):  # (else it is [M, K] already)
+                grad_input = grad_input.reshape(ctx.input_shape)
+            if grad_input.dtype != ctx.input_dtype:
+                grad_input = grad_input.to(ctx.input_dtype)
             if kept is not None:
                 kept["grad_output"], kept["weight_t"] = go_lp, weight_t
             # Release grad_output's `_dq` operand and the weight's before grad_weight
@@ -870,7 +876,8 @@ def linear(
     True
     """
     require_recipe(recipe)
-    if not recipe.quantized:
+    memo = not tracing()  # (traced, each is computed: shapes may be symbolic)
+    if not _once(recipe, "quantized", lambda: recipe.quantized, memo):
         return F.linear(input, weight, bias)
     for name, t in (("input", input), ("weight", weight)):
         if is_dtensor(t):
@@ -885,12 +892,19 @@ def linear(
             f"input {tuple(input.shape)} and weight {tuple(weight.shape)} do not fit: "
             "need input [..., K] and weight [N, K]"
         )
-    reason = unsupported_reason(weight.shape[1], weight.shape[0], recipe)
+    n, k = weight.shape
+    reason = _once(recipe, (n, k), lambda: unsupported_reason(k, n, recipe), memo)
     if reason is not None:
         raise ValueError(f"recipe {recipe.name} cannot run this layer: {reason}")
     if input.is_meta or weight.is_meta:
         return meta_output(F.linear(input, weight.to(input.dtype), None), bias, input)
-    backend = resolve_backend(recipe.backend, input.device)
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(
+            f"bias shape {tuple(bias.shape)} is not ({weight.shape[0]},): one value per output "
+            f"feature of weight {tuple(weight.shape)}"
+        )
+    device = input.device
+    backend = _once(recipe, device, lambda: resolve_backend(recipe.backend, device), memo)
     enter_forward()  # a call outside the model's forward scope is a scope of its own
     try:
         # A weight shard's amax is reduced over ranks in each forward: not cached.
@@ -903,6 +917,30 @@ def linear(
         )
     finally:
         exit_forward()
+
+
+# What `linear` derives from a recipe alone, or with a weight shape or device (`_once`): keyed
+# by the recipe's id and dropped when the recipe is collected, so an id is never another's.
+_RECIPE_FACTS: dict[tuple[int, Any], Any] = {}
+
+
+def _once(recipe: Recipe, what: Any, compute: Callable[[], Any], memo: bool = True) -> Any:
+    """`compute()`, a function of `recipe` and `what` alone, computed once per recipe object
+    (`memo`; else at each call): linear's checks and backend for a layer's recipe, weight
+    shape and device at its first call, not at every call (issue 62: host time). A Recipe is
+    frozen, but hashing one walks its six operand configs, so the key is its id. An exception
+    is raised again at each call."""
+    if not memo:
+        return compute()
+    key = (id(recipe), what)
+    found = _RECIPE_FACTS.get(key, _MISSING)
+    if found is _MISSING:
+        found = _RECIPE_FACTS[key] = compute()
+        weakref.finalize(recipe, _RECIPE_FACTS.pop, key, None)
+    return found
+
+
+_MISSING = object()
 
 
 def meta_output(output: torch.Tensor, bias: torch.Tensor | None, input: torch.Tensor):

@@ -48,6 +48,7 @@ from blockscale.formats import grouped, mxfp8, nvfp4
 from blockscale.formats import hadamard as rht
 from blockscale.formats._checks import FLOAT_DTYPES
 from blockscale.formats.grouped import TokenLayout
+from blockscale.formats.mxfp8 import BLOCK as MX_BLOCK
 from blockscale.formats.mxfp8 import MXFP8Tensor
 from blockscale.formats.nvfp4 import BLOCK as NVFP4_BLOCK
 from blockscale.formats.nvfp4 import NVFP4Tensor
@@ -84,6 +85,12 @@ def _kernels() -> ModuleType:
     return _library.kernels()  # type: ignore[return-value]
 
 
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t.to(dtype)`, without the call where t has that dtype (the kernels' BF16 `_dq` for
+    the GEMM on CUDA: what `to` would return then, t itself, at a torch call less)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 @dataclass
 class NVFP4Operand(NVFP4Tensor):
     """An NVFP4Tensor whose `_dq` the kernels provide: written by the quantize pass, or built
@@ -95,11 +102,11 @@ class NVFP4Operand(NVFP4Tensor):
 
     def dq(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if self.dq_bf16 is not None:
-            return self.dq_bf16.to(dtype)
+            return _as_dtype(self.dq_bf16, dtype)
         if _library.use_kernels(self.data):
             if self.saved and tracing():
                 return _saved_dq(self.data, self.scale, self.amax, list(self.shape)).to(dtype)
-            return _kernels().nvfp4_dequantize_dq(self).to(dtype)
+            return _as_dtype(_kernels().nvfp4_dequantize_dq(self), dtype)
         return super().dq(dtype)
 
 
@@ -112,11 +119,11 @@ class MXFP8Operand(MXFP8Tensor):
 
     def dq(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if self.dq_bf16 is not None:
-            return self.dq_bf16.to(dtype)
+            return _as_dtype(self.dq_bf16, dtype)
         if _library.use_kernels(self.data):
             if self.saved and tracing():
                 return _saved_dq(self.data, self.scale, None, list(self.shape)).to(dtype)
-            return _kernels().mxfp8_dequantize_dq(self).to(dtype)
+            return _as_dtype(_kernels().mxfp8_dequantize_dq(self), dtype)
         return super().dq(dtype)
 
 
@@ -191,9 +198,23 @@ def _quantize_nvfp4(
 
 def _quantize_mxfp8(x: torch.Tensor, transpose: bool, dq: bool) -> MXFP8Tensor:
     if _library.use_kernels(x):
+        blocks_dim = 0 if transpose else 1
+        if x.dim() == 2 and x.dtype in FLOAT_DTYPES and x.shape[blocks_dim] % MX_BLOCK == 0:
+            data, scale, dq_t = _kernels().mxfp8_quantize_checked(x, transpose, dq)
+            shape = torch.Size((x.shape[1], x.shape[0])) if transpose else x.shape
+            return _mxfp8_operand(data, scale, shape, dq_t if dq else None)
         out = _kernels().mxfp8_quantize(x, transpose=transpose, return_dq=dq)
         return as_operand(*out) if dq else as_operand(out)
     return mxfp8.quantize(x, transpose=transpose)
+
+
+def _mxfp8_operand(
+    data: torch.Tensor, scale: torch.Tensor, shape: torch.Size, dq: torch.Tensor | None
+) -> MXFP8Operand:
+    """The operand of a 2-D MXFP8 copy from the kernels' bytes: what the kernels' container
+    holds (views of the same bytes as E4M3 and E8M0), without building the container first."""
+    e4m3, e8m0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
+    return MXFP8Operand(data.view(e4m3), scale.view(e8m0), shape, dq)
 
 
 def quantize_operand(
@@ -283,6 +304,15 @@ def _both_from_one_read(
                          tokens.hadamard, dq_t if tokens_dq else None),
         )  # fmt: skip
     elif row.format is Format.MXFP8:
+        if x.dim() == 2 and x.dtype in FLOAT_DTYPES and x.shape[1] % MX_BLOCK == 0:
+            data, scale, dq, data_t, scale_t, dq_t = _kernels().mxfp8_quantize_both_checked(
+                x, row_dq, tokens_dq, codes
+            )
+            m, c = x.shape
+            return (
+                _mxfp8_operand(data, scale, x.shape, dq if row_dq else None),
+                _mxfp8_operand(data_t, scale_t, torch.Size((c, m)), dq_t if tokens_dq else None),
+            )
         (q_row, dq_row), (q_tok, dq_tok) = _kernels().mxfp8_quantize_both(
             x, return_dq=(row_dq, tokens_dq), codes=codes
         )
