@@ -216,11 +216,12 @@ def _emulated(
         amax_a, amax_b = _amaxes(a, b)
         return _gemm(a_dq, b_dq, amax_a, amax_b, bias, out_dtype)
     alpha = _alpha(a, b)
+    # out of place: selective activation checkpointing may keep the product (a saved `mm`)
     acc = emulated.mm_fp32_accumulate(a_dq, b_dq)
     if alpha is not None:
-        acc.mul_(alpha)
+        acc = acc * alpha
     if bias is not None:
-        acc.add_(bias)
+        acc = acc + bias
     return acc.to(out_dtype)
 
 

@@ -166,8 +166,8 @@ def _group_product(a_dq, b_dq, amax, e: int, out_dtype: torch.dtype) -> torch.Te
     # Fresh copies: a CPU GEMM may sum in another order for an operand that starts at another
     # alignment, and a per-expert `linear` multiplies freshly allocated operands.
     acc = emulated.mm_fp32_accumulate(a_dq.clone(), b_dq.clone())
-    if amax is not None:
-        acc.mul_(decode_scale(amax[0][e]) * decode_scale(amax[1][e]))
+    if amax is not None:  # out of place, as dispatch._emulated's (selective checkpointing)
+        acc = acc * (decode_scale(amax[0][e]) * decode_scale(amax[1][e]))
     return acc.to(out_dtype)
 
 
