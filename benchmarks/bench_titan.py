@@ -44,8 +44,8 @@ Modes:
 The text is tokenized as the steps run, in `--data-workers` processes of torchtitan's data
 loader (2; 0: in the training process, whose step time then includes it; data_pct, torchtitan's
 data_loading(%) over the timed steps, says how much of a step waited for data). Activation
-checkpointing is off unless `--ac` (torchtitan's selective one, its configs' default;
-blockscale's CPU path fails under it, docs/TORCHTITAN.md), and 0.3's CUDA graphs are off
+checkpointing is off unless `--ac` (torchtitan's selective one, its configs' default), and
+0.3's CUDA graphs are off
 unless `--cuda-graphs`. Learning rate and warm-up are the config's unless `--lr` /
 `--lr-warmup`.
 

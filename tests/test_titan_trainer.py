@@ -319,3 +319,24 @@ def test_v0_3_local_text_override_replaces_the_trainers_data_loader_only():
     assert isinstance(config.dataloader, LocalTextDataLoader.Config)
     assert config.dataloader.dataset_path == "a.txt,b.txt.gz"
     assert config.validator.dataloader is validator_loader
+
+
+@needs_v0_2
+def test_v0_2_trainer_with_selective_activation_checkpointing(corpus, assets, tmp_path):
+    """torchtitan's selective activation checkpointing per op (it saves some GEMMs' outputs and
+    refuses one modified in place) with the converter: the emulated GEMM scaled its product in
+    place and the first step failed there."""
+    dump = tmp_path / "run"
+    run_trainer(["--experimental.custom_import", "blockscale.integrations.titan.train_v0_2",
+                 "--model.name", "llama4_local_text", "--model.flavor", "debugmodel",
+                 "--model.converters", "blockscale", "--job.dump_folder", str(dump),
+                 "--model.hf_assets_path", str(assets), "--training.dataset_path", str(corpus),
+                 "--training.steps", "3", "--training.local_batch_size", "2",
+                 "--training.seq_len", "64", "--metrics.log_freq", "1",
+                 "--activation_checkpoint.mode", "selective",
+                 "--activation_checkpoint.selective_ac_option", "op"],
+                tmp_path / "log.txt")  # fmt: skip
+    log = (tmp_path / "log.txt").read_text()
+    assert "to recipe nvfp4" in log and "activation checkpointing" in log.lower(), log[-2000:]
+    got = losses(dump)
+    assert sorted(got) == [1, 2, 3] and all(map(math.isfinite, got.values())), got

@@ -8,9 +8,8 @@ measures: a config registry for `--module`, and overrides for `--override.import
         activation-checkpoint:none
 
 (`-m blockscale.integrations.titan.train` is `-m torchtitan.train` where `datasets` or a GPU
-is missing; that module's docstring says why. `activation-checkpoint:none`: under torchtitan's
-selective activation checkpointing, its configs' default, blockscale's CPU path fails;
-docs/TORCHTITAN.md.) What is here:
+is missing; that module's docstring says why. `activation-checkpoint:none`: speed at these
+sizes; blockscale's layers also run under torchtitan's selective checkpointing.) What is here:
 
 - `LocalTextDataLoader`: torchtitan's `ParallelAwareDataloader` (a stateful loader, so its
   position goes into checkpoints) over `LocalTextDataset` with positions, as 0.3's models take
