@@ -14,18 +14,17 @@ for bit (the data loader's position comes back).
 """
 
 import gzip
-import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
 import sysconfig
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
 import torch
+from test_torchtitan import needs_v0_2, needs_v0_3  # which torchtitan is installed
 
 from blockscale.integrations.titan.local_text import (
     BOS,
@@ -37,19 +36,6 @@ from blockscale.integrations.titan.local_text import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-try:
-    TITAN = version("torchtitan") if importlib.util.find_spec("torchtitan") else None
-except PackageNotFoundError:  # importable from a source tree without its metadata
-    TITAN = None
-TITAN_MINOR = tuple(int(part) for part in TITAN.split(".")[:2]) if TITAN else None
-needs_v0_3 = pytest.mark.skipif(
-    TITAN_MINOR is None or TITAN_MINOR < (0, 3),
-    reason=f"torchtitan 0.3.x's trainer needs torchtitan 0.3.x (installed: {TITAN})",
-)
-needs_v0_2 = pytest.mark.skipif(
-    TITAN_MINOR != (0, 2),
-    reason=f"torchtitan 0.2.2's trainer needs torchtitan 0.2.x (installed: {TITAN})",
-)
 TIMEOUT = 300  # s a trainer process may take on a loaded two-core CI machine
 
 
