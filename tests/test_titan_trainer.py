@@ -326,3 +326,60 @@ def test_v0_2_trainer_with_selective_activation_checkpointing(corpus, assets, tm
     assert "to recipe nvfp4" in log and "activation checkpointing" in log.lower(), log[-2000:]
     got = losses(dump)
     assert sorted(got) == [1, 2, 3] and all(map(math.isfinite, got.values())), got
+
+
+def switches_recipe_at_a_checkpoint(titan_args, converter_args, tmp_path, no_datasets):
+    """Two steps and a checkpoint with one recipe, then two more from it with the other, both
+    ways: a converted model's checkpoint is a BF16 model's (the same names, shapes and dtypes),
+    and back. The loss at step 3 continues from step 2's weights either way: within 5% of the
+    run that did not switch (the recipes differ in their rounding only)."""
+    whole = tmp_path / "whole"
+    run_trainer(titan_args(4, whole, converter_args), tmp_path / "whole.log", no_datasets)
+    reference = losses(whole)
+    for first, then in (("nvfp4", "bf16"), ("bf16", "nvfp4")):
+        dump = tmp_path / f"{first}-then-{then}"
+        args = {"nvfp4": converter_args, "bf16": []}
+        run_trainer(titan_args(2, dump, args[first]), tmp_path / f"{first}.log", no_datasets)
+        log = tmp_path / f"{first}-{then}.log"
+        run_trainer(titan_args(4, dump, args[then]), log, no_datasets)
+        assert "Loading the checkpoint" in log.read_text(), log.read_text()[-2000:]
+        for recipe, text in ((first, (tmp_path / f"{first}.log").read_text()),
+                             (then, log.read_text())):  # fmt: skip
+            assert ("to recipe nvfp4" in text) == (recipe == "nvfp4"), (recipe, text[-2000:])
+        got = losses(dump)
+        assert sorted(got) == [1, 2, 3, 4] and all(map(math.isfinite, got.values())), got
+        assert abs(got[3] - reference[3]) < 0.005 * reference[3], (first, got, reference)
+
+
+@needs_v0_2
+def test_v0_2_checkpoint_moves_between_bf16_and_nvfp4(corpus, assets, tmp_path, no_datasets):
+    def titan_args(steps, dump, recipe_args):
+        return ["--experimental.custom_import", "blockscale.integrations.titan.train_v0_2",
+                "--model.name", "llama4_local_text", "--model.flavor", "debugmodel",
+                "--job.dump_folder", str(dump),
+                "--model.hf_assets_path", str(assets), "--training.dataset_path", str(corpus),
+                "--training.steps", str(steps), "--training.local_batch_size", "2",
+                "--training.seq_len", "64", "--metrics.log_freq", "1", "--debug.seed", "0",
+                "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0",
+                "--checkpoint.enable", "--checkpoint.interval", "2",
+                "--checkpoint.no_last_save_model_only",
+                "--activation_checkpoint.mode", "none", *recipe_args]  # fmt: skip
+
+    converter = ["--model.converters", "blockscale"]
+    switches_recipe_at_a_checkpoint(titan_args, converter, tmp_path, no_datasets)
+
+
+@needs_v0_3
+def test_v0_3_checkpoint_moves_between_bf16_and_nvfp4(corpus, assets, tmp_path, no_datasets):
+    def titan_args(steps, dump, recipe_args):
+        return ["--module", "blockscale.integrations.titan.train_v0_3",
+                "--config", "deepseek_v3_debugmodel", "--hf_assets_path", str(assets),
+                "--dataloader.dataset_path", str(corpus), "--dump_folder", str(dump),
+                "--training.steps", str(steps),
+                "--training.local_batch_size", "2", "--training.seq_len", "64",
+                "--checkpoint.enable", "--checkpoint.interval", "2", "--debug.seed", "0",
+                *recipe_args, "activation-checkpoint:none"]  # fmt: skip
+
+    target = "blockscale.integrations.titan.v0_3.blockscale"
+    converter = ["--override.imports", f'{target}={{"recipe": "nvfp4"}}']
+    switches_recipe_at_a_checkpoint(titan_args, converter, tmp_path, no_datasets)
