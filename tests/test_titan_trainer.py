@@ -244,6 +244,33 @@ def resumes_bit_for_bit(titan_args, tmp_path, no_datasets):
     assert losses(parts) == expected
 
 
+def v0_3_args(assets, corpus, steps, dump, extra=()):
+    """torchtitan 0.3.0's Trainer on the DeepSeek-V3 debug model and local text, checkpoints
+    every 2 steps; `extra` (a converter's arguments) before the activation checkpointing."""
+    return ["--module", "blockscale.integrations.titan.train_v0_3",
+            "--config", "deepseek_v3_debugmodel", "--hf_assets_path", str(assets),
+            "--dataloader.dataset_path", str(corpus), "--dump_folder", str(dump),
+            "--training.steps", str(steps),
+            "--training.local_batch_size", "2", "--training.seq_len", "64",
+            "--checkpoint.enable", "--checkpoint.interval", "2", "--debug.seed", "0",
+            *extra, "activation-checkpoint:none"]  # fmt: skip
+
+
+def v0_2_args(assets, corpus, steps, dump, extra=()):
+    """torchtitan 0.2.2's Trainer on the Llama 4 debug model and local text, checkpoints every
+    2 steps (a 2-step warm-up, no decay); `extra`: a converter's arguments."""
+    return ["--experimental.custom_import", "blockscale.integrations.titan.train_v0_2",
+            "--model.name", "llama4_local_text", "--model.flavor", "debugmodel",
+            "--job.dump_folder", str(dump),
+            "--model.hf_assets_path", str(assets), "--training.dataset_path", str(corpus),
+            "--training.steps", str(steps), "--training.local_batch_size", "2",
+            "--training.seq_len", "64", "--metrics.log_freq", "1", "--debug.seed", "0",
+            "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0",
+            "--checkpoint.enable", "--checkpoint.interval", "2",
+            "--checkpoint.no_last_save_model_only",
+            "--activation_checkpoint.mode", "none", *extra]  # fmt: skip
+
+
 @needs_v0_3
 def test_v0_3_trainer_trains_bf16_and_nvfp4_through_the_bench(corpus, assets, tmp_path):
     rows, (bf16_log, nvfp4_log) = bench_smoke(corpus, assets, tmp_path)
@@ -254,13 +281,7 @@ def test_v0_3_trainer_trains_bf16_and_nvfp4_through_the_bench(corpus, assets, tm
 @needs_v0_3
 def test_v0_3_trainer_resumes_from_its_checkpoint(corpus, assets, tmp_path, no_datasets):
     def titan_args(steps, dump):
-        return ["--module", "blockscale.integrations.titan.train_v0_3",
-                "--config", "deepseek_v3_debugmodel", "--hf_assets_path", str(assets),
-                "--dataloader.dataset_path", str(corpus), "--dump_folder", str(dump),
-                "--training.steps", str(steps),
-                "--training.local_batch_size", "2", "--training.seq_len", "64",
-                "--checkpoint.enable", "--checkpoint.interval", "2", "--debug.seed", "0",
-                "activation-checkpoint:none"]  # fmt: skip
+        return v0_3_args(assets, corpus, steps, dump)
 
     resumes_bit_for_bit(titan_args, tmp_path, no_datasets)
 
@@ -275,16 +296,7 @@ def test_v0_2_trainer_trains_bf16_and_nvfp4_through_the_bench(corpus, assets, tm
 @needs_v0_2
 def test_v0_2_trainer_resumes_from_its_checkpoint(corpus, assets, tmp_path, no_datasets):
     def titan_args(steps, dump):
-        return ["--experimental.custom_import", "blockscale.integrations.titan.train_v0_2",
-                "--model.name", "llama4_local_text", "--model.flavor", "debugmodel",
-                "--job.dump_folder", str(dump),
-                "--model.hf_assets_path", str(assets), "--training.dataset_path", str(corpus),
-                "--training.steps", str(steps), "--training.local_batch_size", "2",
-                "--training.seq_len", "64", "--metrics.log_freq", "1", "--debug.seed", "0",
-                "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0",
-                "--checkpoint.enable", "--checkpoint.interval", "2",
-                "--checkpoint.no_last_save_model_only",
-                "--activation_checkpoint.mode", "none"]  # fmt: skip
+        return v0_2_args(assets, corpus, steps, dump)
 
     resumes_bit_for_bit(titan_args, tmp_path, no_datasets)
 
@@ -354,16 +366,7 @@ def switches_recipe_at_a_checkpoint(titan_args, converter_args, tmp_path, no_dat
 @needs_v0_2
 def test_v0_2_checkpoint_moves_between_bf16_and_nvfp4(corpus, assets, tmp_path, no_datasets):
     def titan_args(steps, dump, recipe_args):
-        return ["--experimental.custom_import", "blockscale.integrations.titan.train_v0_2",
-                "--model.name", "llama4_local_text", "--model.flavor", "debugmodel",
-                "--job.dump_folder", str(dump),
-                "--model.hf_assets_path", str(assets), "--training.dataset_path", str(corpus),
-                "--training.steps", str(steps), "--training.local_batch_size", "2",
-                "--training.seq_len", "64", "--metrics.log_freq", "1", "--debug.seed", "0",
-                "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0",
-                "--checkpoint.enable", "--checkpoint.interval", "2",
-                "--checkpoint.no_last_save_model_only",
-                "--activation_checkpoint.mode", "none", *recipe_args]  # fmt: skip
+        return v0_2_args(assets, corpus, steps, dump, recipe_args)
 
     converter = ["--model.converters", "blockscale"]
     switches_recipe_at_a_checkpoint(titan_args, converter, tmp_path, no_datasets)
@@ -372,13 +375,7 @@ def test_v0_2_checkpoint_moves_between_bf16_and_nvfp4(corpus, assets, tmp_path, 
 @needs_v0_3
 def test_v0_3_checkpoint_moves_between_bf16_and_nvfp4(corpus, assets, tmp_path, no_datasets):
     def titan_args(steps, dump, recipe_args):
-        return ["--module", "blockscale.integrations.titan.train_v0_3",
-                "--config", "deepseek_v3_debugmodel", "--hf_assets_path", str(assets),
-                "--dataloader.dataset_path", str(corpus), "--dump_folder", str(dump),
-                "--training.steps", str(steps),
-                "--training.local_batch_size", "2", "--training.seq_len", "64",
-                "--checkpoint.enable", "--checkpoint.interval", "2", "--debug.seed", "0",
-                *recipe_args, "activation-checkpoint:none"]  # fmt: skip
+        return v0_3_args(assets, corpus, steps, dump, recipe_args)
 
     target = "blockscale.integrations.titan.v0_3.blockscale"
     converter = ["--override.imports", f'{target}={{"recipe": "nvfp4"}}']
