@@ -830,6 +830,25 @@ def _stand_in_op():
     return op
 
 
+def eager_and_compiled_steps(model, twin, compiled, loss_of):
+    """Two SGD steps of the eager `twin` and of `compiled` (over `model`): each run's losses,
+    and the stand-in's calls in its second step (the first one compiles)."""
+    losses, calls = {}, {}
+    for name, run, params in (("eager", twin, twin), ("compiled", compiled, model)):
+        optimizer = torch.optim.SGD(params.parameters(), lr=0.1)
+        losses[name] = []
+        for step in range(2):
+            if step == 1:  # the compile happened in step 0: count a step's calls
+                STAND_IN_CALLS.update(forward=0, backward=0)
+            optimizer.zero_grad()
+            loss = loss_of(run)
+            loss.backward()
+            optimizer.step()
+            losses[name].append(loss.detach())
+        calls[name] = dict(STAND_IN_CALLS)
+    return losses, calls
+
+
 STAND_IN_CALLS = {"forward": 0, "backward": 0}
 STAND_IN = _stand_in_op()
 
@@ -874,19 +893,7 @@ def test_hf_compiled_routing_equals_eager(kind, parameters, monkeypatch):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             return run(ids, labels=ids).loss
 
-    losses, calls = {}, {}
-    for name, run, params in (("eager", twin, twin), ("compiled", compiled, model)):
-        optimizer = torch.optim.SGD(params.parameters(), lr=0.1)
-        losses[name] = []
-        for step in range(2):
-            if step == 1:  # the compile happened in step 0: count a step's calls
-                STAND_IN_CALLS.update(forward=0, backward=0)
-            optimizer.zero_grad()
-            loss = loss_of(run)
-            loss.backward()
-            optimizer.step()
-            losses[name].append(loss.detach())
-        calls[name] = dict(STAND_IN_CALLS)
+    losses, calls = eager_and_compiled_steps(model, twin, compiled, loss_of)
     assert calls["eager"] == {"forward": 2, "backward": 2}  # gate_up and down of one layer
     assert calls["compiled"] == calls["eager"]
     assert all(map(torch.equal, losses["compiled"], losses["eager"])), losses

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from test_compile import kernel_path_on_cpu  # noqa: F401
 
 # A stand-in for blockscale's grouped GEMM that a CPU trace takes (test_convert_experts.py).
-from test_convert_experts import STAND_IN, STAND_IN_CALLS
+from test_convert_experts import STAND_IN, eager_and_compiled_steps
 
 import blockscale as bs
 import blockscale.nn as bsnn
@@ -219,19 +219,7 @@ def test_compiled_readme_call_equals_eager(parameters, monkeypatch):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             return run(ids, labels=ids).loss
 
-    losses, calls = {}, {}
-    for name, run, params in (("eager", twin, twin), ("compiled", compiled, model)):
-        optimizer = torch.optim.SGD(params.parameters(), lr=0.1)
-        losses[name] = []
-        for step in range(2):
-            if step == 1:  # the compile happened in step 0: count a step's calls
-                STAND_IN_CALLS.update(forward=0, backward=0)
-            optimizer.zero_grad()
-            loss = loss_of(run)
-            loss.backward()
-            optimizer.step()
-            losses[name].append(loss.detach())
-        calls[name] = dict(STAND_IN_CALLS)
+    losses, calls = eager_and_compiled_steps(model, twin, compiled, loss_of)
     assert calls["eager"] == {"forward": 2, "backward": 2}  # gate_up and down of block 0
     assert calls["compiled"] == calls["eager"]
     assert all(map(torch.equal, losses["compiled"], losses["eager"])), losses
