@@ -2,8 +2,8 @@
 the cast BF16 baseline in one process, eager and compiled, and each recipe's peak memory alone in
 a process of its own.
 
-Models (transformers' own classes, random init, `experts_implementation="grouped_mm"`, SDPA
-attention, a 32000-token vocabulary, every block an MoE block):
+Models (transformers' own classes, random init, `experts_implementation="grouped_mm"` where the
+class takes one, SDPA attention, a 32000-token vocabulary, every block an MoE block):
 
 - qwen3-30b-a3b: Qwen3-MoE at Qwen3-30B-A3B's block shape: hidden 2048, 128 experts, top-8,
   expert width 768, 32 heads / 4 KV heads of 128; 2 layers.
@@ -14,17 +14,37 @@ attention, a 32000-token vocabulary, every block an MoE block):
   weights, gradients and AdamW state take 26 GiB.
 - mixtral: Mixtral-8x7B's block: hidden 4096, 8 experts, top-2, width 14336, 32 heads / 8 KV
   heads; 1 layer.
-- qwen3-tiny, deepseek-tiny, mixtral-tiny: the same classes at CPU sizes (--smoke).
+- llama4-scout: Llama 4 Scout's block (`Llama4ForCausalLM`, text only): hidden 5120, top-1
+  with one shared expert, expert width 8192 (the shared expert's too), 40 heads / 8 KV heads
+  of 128, RoPE and QK-norm (both blocks are RoPE blocks, chunked attention of 8192: full causal
+  at these lengths); 2 layers, with 8 routed experts where Scout has 16, to fit one 80 GB
+  H100. Parameters: a block has attention 2*5120*5120 + 2*5120*1024 = 62.9M, 8 routed
+  experts of 3*5120*8192 = 125.8M each (1006.6M), the shared expert 125.8M, router and norms
+  51K: 1195.4M; 2 blocks and the untied 32000-token embedding and LM head (163.8M each):
+  2718.5M. FP32 weights, gradients and two AdamW states (16 B a parameter): 43.5 GB = 40.5 GiB
+  (16 experts: 4731M, 70.5 GiB, too much). transformers' Llama 4 experts take no
+  experts_implementation: every expert multiplies every token (a token it was not picked for
+  scaled to zero) with `torch.bmm`, which `convert` routes as a grouped GEMM of E groups of all
+  the tokens (nn/experts.py, "Batched matmuls"): the routed GEMMs and their activations are E
+  times a top-1 dispatch's, so its tokens/s compare across recipes, not with the other models.
+- qwen3-tiny, deepseek-tiny, mixtral-tiny, llama4-tiny: the same classes at CPU sizes (--smoke).
 
 Recipes. `bf16` is the cast BF16 baseline: FP32 master weights whose experts' grouped GEMMs run
 on BF16 operands, as autocast would cast them (it does not: `torch._grouped_mm` is not an
 autocast op, so transformers runs FP32 masters' grouped GEMMs in FP32, slower than BF16 and than
 every quantized recipe, whose GEMMs run on BF16 tensor cores; that unconverted model is the
 `hf` recipe, on request). The baseline routes the experts as `convert` does, to a
-`CastGroupedMM`; its linears are autocast's. A quantized recipe's model is converted with
+`CastGroupedMM`; its linears are autocast's. Llama 4's experts multiply with `torch.bmm`,
+which the router hands to a GroupedMM only when it quantizes: an unquantized one (the bf16
+recipe's) runs the model's own bmm, so their CastGroupedMM is never called. bmm is an autocast
+op, so under the step's BF16 autocast that bmm is the same baseline, on the BF16 casts of the
+FP32 masters with a BF16 output, as blockscale's op gives; Llama 4's `hf` runs the same GEMMs
+without the router (on the CPU, without autocast, both run in FP32). A quantized recipe's
+model is converted with
 `convert(model, recipe, module_filter_fn=layer_policy(model))`, the README's call: with one or
 two blocks the paper's 15% tail keeps the last block (or the only one) in BF16, its experts
-routed unquantized. `--bf16-tail-fraction 0.0` quantizes every block (the rows before
+routed unquantized (so llama4-scout, like qwen3-30b-a3b and deepseek-v3, quantizes its first
+block only). `--bf16-tail-fraction 0.0` quantizes every block (the rows before
 2026-12-05 were measured so: that call compiled where the README's did not, issue 60); the LM
 head, embeddings and routers stay BF16 either way.
 
@@ -61,6 +81,7 @@ written to --out as it finishes, so a run cut short keeps its rows.
 
     python benchmarks/bench_moe_model.py --models qwen3-30b-a3b \\
         --out docs/results/bench_moe_model_qwen3_h100.json
+    python benchmarks/bench_moe_model.py --models llama4-scout
     python benchmarks/bench_moe_model.py --smoke        # CPU, tiny models, eager
 """
 
@@ -95,11 +116,13 @@ VOCAB = 32000
 
 @dataclass(frozen=True)
 class MoESpec:
-    """A transformers MoE model: its config and model classes and the config's fields."""
+    """A transformers MoE model: its config and model classes and the config's fields.
+    `grouped_mm`: whether it takes `experts_implementation="grouped_mm"` (Llama 4's raises)."""
 
     config: str
     model: str
     fields: dict[str, Any] = field(default_factory=dict)
+    grouped_mm: bool = True
 
     def layers(self) -> int:
         return self.fields["num_hidden_layers"]
@@ -131,15 +154,27 @@ def _mixtral(hidden, experts, top_k, width, layers, heads, kv_heads, vocab=VOCAB
         num_key_value_heads=kv_heads, vocab_size=vocab))  # fmt: skip
 
 
+def _llama4(hidden, experts, top_k, width, layers, heads, kv_heads, head_dim, vocab=VOCAB):
+    """Every block MoE (`interleave_moe_layer_step` 1, Scout's). `intermediate_size` is the
+    routed and shared experts' width; `intermediate_size_mlp` sizes dense blocks (none here)."""
+    return MoESpec("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        hidden_size=hidden, num_local_experts=experts, num_experts_per_tok=top_k,
+        intermediate_size=width, intermediate_size_mlp=2 * width, interleave_moe_layer_step=1,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, vocab_size=vocab), grouped_mm=False)  # fmt: skip
+
+
 MODELS: dict[str, MoESpec] = {
     "qwen3-30b-a3b": _qwen3(2048, 128, 8, 768, 2, 32, 4, 128),
     "deepseek-v3": _deepseek(2048, 256, 8, 512, 2, 16, 768, 512, 64, 128, 128, groups=8),
     "mixtral": _mixtral(4096, 8, 2, 14336, 1, 32, 8),
+    "llama4-scout": _llama4(5120, 8, 1, 8192, 2, 40, 8, 128),
     "qwen3-tiny": _qwen3(64, 8, 2, 32, 2, 4, 2, 16, vocab=256),
     "deepseek-tiny": _deepseek(64, 8, 2, 32, 2, 4, 32, 32, 16, 16, 16, groups=2, vocab=256),
     "mixtral-tiny": _mixtral(64, 4, 2, 64, 1, 4, 2, vocab=256),
+    "llama4-tiny": _llama4(64, 4, 1, 64, 2, 4, 2, 16, vocab=256),
 }
-SMOKE_MODELS = "qwen3-tiny,deepseek-tiny,mixtral-tiny"
+SMOKE_MODELS = "qwen3-tiny,deepseek-tiny,mixtral-tiny,llama4-tiny"
 
 
 class CastGroupedMM(bsnn.GroupedMM):
@@ -167,14 +202,16 @@ def build(
     import transformers  # noqa: PLC0415 (optional)
 
     torch.manual_seed(0)
+    experts = {"experts_implementation": "grouped_mm"} if spec.grouped_mm else {}
     config = getattr(transformers, spec.config)(
         **spec.fields, max_position_embeddings=max(seq_len, 2048), use_cache=False,
-        attn_implementation="sdpa", experts_implementation="grouped_mm",
+        attn_implementation="sdpa", **experts,
     )  # fmt: skip
     with torch.device(device):
         model = getattr(transformers, spec.model)(config)
     if recipe == "bf16":
         bsnn.convert(model, recipes.get("bf16"), module_filter_fn=_is_experts)
+        # Llama 4's (bmm experts) are never called: autocast's bmm is their baseline (docstring)
         for module in model.modules():
             grouped_mms = getattr(module, "grouped_mms", None)
             if isinstance(grouped_mms, torch.nn.ModuleDict):
