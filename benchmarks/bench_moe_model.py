@@ -17,16 +17,21 @@ class takes one, SDPA attention, a 32000-token vocabulary, every block an MoE bl
 - llama4-scout: Llama 4 Scout's block (`Llama4ForCausalLM`, text only): hidden 5120, top-1
   with one shared expert, expert width 8192 (the shared expert's too), 40 heads / 8 KV heads
   of 128, RoPE and QK-norm (both blocks are RoPE blocks, chunked attention of 8192: full causal
-  at these lengths); 2 layers, with 8 routed experts where Scout has 16, to fit one 80 GB
-  H100. Parameters: a block has attention 2*5120*5120 + 2*5120*1024 = 62.9M, 8 routed
-  experts of 3*5120*8192 = 125.8M each (1006.6M), the shared expert 125.8M, router and norms
-  51K: 1195.4M; 2 blocks and the untied 32000-token embedding and LM head (163.8M each):
-  2718.5M. FP32 weights, gradients and two AdamW states (16 B a parameter): 43.5 GB = 40.5 GiB
-  (16 experts: 4731M, 70.5 GiB, too much). transformers' Llama 4 experts take no
-  experts_implementation: every expert multiplies every token (a token it was not picked for
-  scaled to zero) with `torch.bmm`, which `convert` routes as a grouped GEMM of E groups of all
-  the tokens (nn/experts.py, "Batched matmuls"): the routed GEMMs and their activations are E
-  times a top-1 dispatch's, so its tokens/s compare across recipes, not with the other models.
+  at these lengths); 2 layers, with 4 routed experts where Scout has 16, to fit one 80 GB
+  H100. transformers' Llama 4 experts take no experts_implementation: every expert multiplies
+  every token (those it was not picked for scaled to zero) with `torch.bmm`, which `convert`
+  routes as a grouped GEMM of E groups of all the tokens (nn/experts.py, "Batched matmuls"),
+  so the routed GEMMs and their activations are E times a top-1 dispatch's (its tokens/s
+  compare across recipes, not with the other models). Parameters: a block has attention
+  2*5120*5120 + 2*5120*1024 = 62.9M, 4 routed experts of 3*5120*8192 = 125.8M each (503.3M),
+  the shared expert 125.8M, router and norms 31K: 692.1M; 2 blocks and the untied 32000-token
+  embedding and LM head (163.8M each): 1711.9M. FP32 weights, gradients and two AdamW states
+  (16 B a parameter): 27.4 GB = 25.5 GiB. The BF16 baseline's saved activations (counted on
+  the CPU under autocast, not measured on a GPU): 0.66 MiB a token and 1.3 GiB of weight
+  casts a block, 24 GiB at B=8, T=2048. 8 experts would be 2718.5M parameters, 40.5 GiB, but
+  1.03 MiB a token, 37 GiB: with the weights and AdamW state (12 B a parameter, 30.4 GiB) and
+  the logits about 72 GiB before the backward's own, too close to an H100's 79 GiB; 16
+  (Scout's): 4731.9M, 70.5 GiB.
 - qwen3-tiny, deepseek-tiny, mixtral-tiny, llama4-tiny: the same classes at CPU sizes (--smoke).
 
 Recipes. `bf16` is the cast BF16 baseline: FP32 master weights whose experts' grouped GEMMs run
@@ -168,7 +173,7 @@ MODELS: dict[str, MoESpec] = {
     "qwen3-30b-a3b": _qwen3(2048, 128, 8, 768, 2, 32, 4, 128),
     "deepseek-v3": _deepseek(2048, 256, 8, 512, 2, 16, 768, 512, 64, 128, 128, groups=8),
     "mixtral": _mixtral(4096, 8, 2, 14336, 1, 32, 8),
-    "llama4-scout": _llama4(5120, 8, 1, 8192, 2, 40, 8, 128),
+    "llama4-scout": _llama4(5120, 4, 1, 8192, 2, 40, 8, 128),
     "qwen3-tiny": _qwen3(64, 8, 2, 32, 2, 4, 2, 16, vocab=256),
     "deepseek-tiny": _deepseek(64, 8, 2, 32, 2, 4, 32, 32, 16, 16, 16, groups=2, vocab=256),
     "mixtral-tiny": _mixtral(64, 4, 2, 64, 1, 4, 2, vocab=256),
