@@ -35,8 +35,8 @@ What must hold against one process running the same converted MLP (stochastic ro
 - transformers' Llama (GQA, 2 layers) under a usual TP plan: loss, logits and every
   gradient within 1e-5 relative of one process (nvfp4, mxfp8); see the test for why not equal.
 - a shard that cuts blocks raises when the plan is applied (N=48 over 2 ranks for a 16x16
-  weight; K=96 over 2 for MXFP8), and torch's own ColwiseParallel on a converted layer raises
-  a TypeError that names the quantized styles.
+  weight; K=96 over 2 for MXFP8). (torch's own styles on a converted layer:
+  test_distributed_tp_torch_styles.py.)
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 
 import blockscale as bs
 from blockscale import _library
@@ -240,11 +240,6 @@ def _shard_rules(mesh) -> None:
         ValueError, match="each shard has K=48, not a multiple of 32.*multiple of 64"
     ):
         parallelize_module(model, mesh, {"0": QuantizedRowwiseParallel()})
-
-    model = bs.convert(nn.Sequential(nn.Linear(64, 64)), RECIPES["nvfp4"])
-    parallelize_module(model, mesh, {"0": ColwiseParallel()})  # torch's own style
-    with pytest.raises(TypeError, match="QuantizedColwiseParallel"):
-        model(torch.randn(4, 64))
 
 
 def test_tensor_parallel_mlp_equals_one_device():

@@ -16,7 +16,9 @@
   `apply_tensor_parallel(model, mesh)`: blockscale's own models under such a plan, their
   stacked `wqkv` / `w13` split per projection (`tensor_parallel_plan`,
   `check_tensor_parallel`) (tp.py; imported on first use, since torch.distributed.tensor
-  takes ~0.5 s to import).
+  takes ~0.5 s to import). torch's own `ColwiseParallel` / `RowwiseParallel` on converted
+  linears compute the same: this package registers tp.py's `forward_on_dtensors` as their
+  forward for DTensors (`blockscale.nn.linear.register_dtensor_forward`).
 
 docs/DISTRIBUTED.md describes the mechanisms, the shard rules and what is not done yet.
 """
@@ -28,6 +30,7 @@ from blockscale.distributed.master_cast import (
     to_nvfp4_primary_weights,
 )
 from blockscale.distributed.weight import QuantizedWeight
+from blockscale.nn.linear import register_dtensor_forward
 
 __all__ = [
     "ExpertShard",
@@ -51,6 +54,17 @@ _TP_NAMES = (
     "check_tensor_parallel",
     "tensor_parallel_plan",
 )
+
+
+def _forward_on_dtensors(module, input):
+    """A converted Linear's forward under torch's own tensor-parallel styles (tp.py, loaded on
+    first use like the names above; a DTensor exists, so torch.distributed.tensor is loaded)."""
+    from blockscale.distributed import tp  # noqa: PLC0415 (see the module docstring)
+
+    return tp.forward_on_dtensors(module, input)
+
+
+register_dtensor_forward(_forward_on_dtensors)
 
 
 def __getattr__(name: str) -> object:

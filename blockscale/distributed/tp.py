@@ -39,6 +39,12 @@ multiple of the largest block that runs along it (checked when the plan is appli
 anything is sharded). docs/DISTRIBUTED.md ("Tensor parallel") has the exactness statement
 and the limits.
 
+torch's own ColwiseParallel / RowwiseParallel (torchtitan's parallelize functions, plans
+written for plain models) compute the same on a converted layer: its forward finds DTensors
+and hands them to `forward_on_dtensors`, which reads the layout from them ("torch's own
+styles" below). The quantized styles check the shards before anything is sharded rather than
+at the first forward, and add a row-wise bias after a reduce-scatter to a sharded output.
+
 Mechanism: the styles change the layer's class to a subclass whose forward converts the
 DTensors to local tensors (`to_local`, with the gradient placements DTensor needs to reduce
 partial gradients) and wraps the result back (`from_local`: Shard(-1), or Partial for the
@@ -58,7 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -152,6 +158,37 @@ class _Layout:
         return _StridedShard(ndim - 1, split_factor=self.parts)
 
 
+def _on_local_shards(
+    module: nn.Linear, input: DTensor, layout: _Layout, quantized: bool
+) -> DTensor:
+    """`module`'s output from its local shards, wrapped back as a DTensor (module docstring):
+    `blockscale.linear` with the layout's amax reduction where `quantized`, else `F.linear`
+    (column-wise only: stacked projections in BF16)."""
+    weight: DTensor = module.weight  # type: ignore[assignment]
+    bias: DTensor | None = module.bias  # type: ignore[assignment]
+    if layout.kind == COLWISE:
+        # Each rank's grad_input is its shard's part of the sum over N: Partial.
+        x = input.to_local(grad_placements=(Partial(),))
+        b = None if bias is None else bias.to_local()
+        if quantized:
+            recipe = module.recipe  # type: ignore[attr-defined]
+            reduction = layout.amax_reduction
+            out = linear(x, weight.to_local(), b, recipe, amax_reduction=reduction)
+        else:  # stacked projections in BF16: DTensor would not place them (see below)
+            out = F.linear(x, weight.to_local(), b)
+        placement = layout.colwise_output(out.dim())
+        return DTensor.from_local(out, layout.mesh, (placement,), run_check=False)
+    recipe = module.recipe  # type: ignore[attr-defined]
+    x = input.to_local()
+    out = linear(x, weight.to_local(), None, recipe, amax_reduction=layout.amax_reduction)
+    partial = DTensor.from_local(out, layout.mesh, (Partial(),), run_check=False)
+    if bias is None:
+        return partial  # the style's output hook reduces it
+    # The bias once, after the reduction (DTensor reduces its gradient as for torch's TP).
+    whole = partial.redistribute(placements=(layout.output,))
+    return whole + bias.to(whole.dtype)
+
+
 class _OnLocalShards:
     """Mixed into a tensor-parallel blockscale Linear's class: `blockscale.linear` on the
     local shards with the TP group's amax reduction (see the module docstring)."""
@@ -164,29 +201,7 @@ class _OnLocalShards:
         quantized = getattr(self, "quantize_enabled", False) and self.recipe.quantized  # type: ignore[attr-defined]
         if not quantized and layout.parts == 1:
             return super().forward(input)  # type: ignore[misc]  # DTensor F.linear
-        weight: DTensor = self.weight  # type: ignore[attr-defined]
-        bias: DTensor | None = self.bias  # type: ignore[attr-defined]
-        if layout.kind == COLWISE:
-            # Each rank's grad_input is its shard's part of the sum over N: Partial.
-            x = input.to_local(grad_placements=(Partial(),))  # type: ignore[attr-defined]
-            b = None if bias is None else bias.to_local()
-            if quantized:
-                recipe = self.recipe  # type: ignore[attr-defined]
-                reduction = layout.amax_reduction
-                out = linear(x, weight.to_local(), b, recipe, amax_reduction=reduction)
-            else:  # stacked projections in BF16: DTensor would not place them (see below)
-                out = F.linear(x, weight.to_local(), b)
-            placement = layout.colwise_output(out.dim())
-            return DTensor.from_local(out, layout.mesh, (placement,), run_check=False)
-        recipe = self.recipe  # type: ignore[attr-defined]
-        x = input.to_local()  # type: ignore[attr-defined]
-        out = linear(x, weight.to_local(), None, recipe, amax_reduction=layout.amax_reduction)
-        partial = DTensor.from_local(out, layout.mesh, (Partial(),), run_check=False)
-        if bias is None:
-            return partial  # the style's output hook reduces it
-        # The bias once, after the reduction (DTensor reduces its gradient as for torch's TP).
-        whole = partial.redistribute(placements=(layout.output,))
-        return whole + bias.to(whole.dtype)
+        return _on_local_shards(self, input, layout, quantized)  # type: ignore[arg-type]
 
     def extra_repr(self) -> str:
         base = super().extra_repr()  # type: ignore[misc]
@@ -303,6 +318,77 @@ class QuantizedRowwiseParallel(RowwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         output = self.output_layouts[0]
         return _parallelize(module, device_mesh, ROWWISE, output, super()._apply)
+
+
+# ------------------------------------------------------------------------ torch's own styles
+#
+# torchtitan's parallelize functions (and any plan written for plain models) apply torch's
+# ColwiseParallel / RowwiseParallel to layers a converter has already swapped: the layer keeps
+# its class and receives DTensors. blockscale.nn.Linear then calls `forward_on_dtensors`
+# (through the hook blockscale.distributed registers; nn/ cannot import this module), which
+# reads the layout from the DTensors and computes what the quantized styles compute.
+
+_TORCH_STYLES = (
+    "a quantized layer takes the DTensors of torch's ColwiseParallel (weight and bias Shard(0), "
+    "input Replicate) or RowwiseParallel (weight Shard(1), bias Replicate, input Shard(-1)) on "
+    "a 1-D mesh, as the style's input hook leaves them (or those of blockscale.distributed."
+    "QuantizedColwiseParallel / QuantizedRowwiseParallel); leave other layers unconverted"
+)
+
+
+def _placed(t: torch.Tensor | None) -> str:
+    if t is None:
+        return "none"
+    if not isinstance(t, DTensor):
+        return f"a {type(t).__name__} (not a DTensor)"
+    return f"{t.placements} on a {t.device_mesh.ndim}-D mesh"
+
+
+def _is_placed(t: torch.Tensor | None, mesh: DeviceMesh, want: Placement) -> bool:
+    """`t` is a DTensor on `mesh` laid out as `want` alone (exactly that type: torch 2.11's
+    _StridedShard subclasses Shard and compares equal to it)."""
+    if not isinstance(t, DTensor) or t.device_mesh != mesh or len(t.placements) != 1:
+        return False
+    (placement,) = t.placements
+    return type(placement) is type(want) and placement == want
+
+
+def _torch_style_layout(module: Linear, input: torch.Tensor) -> _Layout:
+    """The tensor-parallel layout of a quantized Linear that torch's own ColwiseParallel or
+    RowwiseParallel parallelized, read from its DTensors: weight Shard(0) with a Replicate
+    input is column-wise, weight Shard(1) with a Shard(-1) input row-wise, on the weight's
+    1-D mesh. Raises a ValueError naming the layouts for anything else (a 2-D mesh, a
+    replicated weight, a plain input beside a DTensor weight), and `check_shards`' error
+    for shards that cut blocks. A row-wise output is reduced whole before the bias is added:
+    the layer cannot see the style's output layout, which its output hook then makes."""
+    weight, bias = module.weight, module.bias
+    mesh = weight.device_mesh if isinstance(weight, DTensor) else None
+    kind = None
+    if mesh is not None and mesh.ndim == 1:
+        colwise = _is_placed(weight, mesh, Shard(0)) and _is_placed(input, mesh, Replicate())
+        rowwise = _is_placed(weight, mesh, Shard(1)) and _is_placed(
+            input, mesh, Shard(input.dim() - 1)
+        )
+        kind = COLWISE if colwise else ROWWISE if rowwise else None
+        if kind is not None and bias is not None:
+            want_bias = Shard(0) if kind == COLWISE else Replicate()
+            kind = kind if _is_placed(bias, mesh, want_bias) else None
+    if kind is None:
+        raise ValueError(
+            f"{type(module).__name__} with weight {list(weight.shape)} (recipe "
+            f"{module.recipe.name}) got weight {_placed(weight)}, bias {_placed(bias)}, input "
+            f"{_placed(input)}: {_TORCH_STYLES}"
+        )
+    check_shards(module, mesh.size(), kind)
+    return _Layout.of(kind, mesh, Replicate())
+
+
+def forward_on_dtensors(module: Linear, input: torch.Tensor) -> torch.Tensor:
+    """A quantized blockscale Linear's forward when its weight or input is a DTensor: the
+    layout from `_torch_style_layout`, then the same local compute, amax reductions and
+    output placements as QuantizedColwiseParallel / QuantizedRowwiseParallel (for a layer
+    without a bias, the same collectives too; a row-wise bias: `_torch_style_layout`)."""
+    return _on_local_shards(module, input, _torch_style_layout(module, input), quantized=True)
 
 
 # --------------------------------------------------------------------------- blockscale's models

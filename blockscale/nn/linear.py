@@ -14,7 +14,17 @@ Python per layer (the bulk of a converted model's extra compile time). The recip
 a `RecipeConstant`, kept beside it; assigning `recipe` replaces both, and a compiled model
 then recompiles. A weight that holds quantized copies (FSDP2's quantized all-gather, NVFP4
 primary weights) takes the same call, carried as its inner tensors; any other tensor subclass
-(a DTensor input or weight) runs `linear` eagerly at a graph break (`_linear_at_a_graph_break`).
+but a DTensor runs `linear` eagerly at a graph break (`_linear_at_a_graph_break`).
+
+DTensors: torch's own `ColwiseParallel` / `RowwiseParallel` (torchtitan's parallelize functions
+apply them to layers its converter has already swapped) leave the layer's class as it is and
+hand it DTensor weights and inputs, which `linear` cannot take. A quantized layer then runs the
+forward `register_dtensor_forward` installed: blockscale.distributed registers tensor
+parallel's (distributed/tp.py, `forward_on_dtensors`: the local shards with the TP group's amax
+reduction, as blockscale's own Quantized*Parallel styles compute, or a ValueError naming the
+layouts it takes). A hook rather than a call, since nn/ cannot import distributed/ (DESIGN.md,
+"Layers"). FSDP2's parameters are no DTensors in the forward (it gathers them first), and a
+layer that computes in BF16 (`quantize_enabled` False, a bf16 recipe) keeps DTensor's F.linear.
 
 Weight cache (ops/weight_cache.py): each layer keeps its weight's quantized copies in
 `weight_cache` for reuse within one forward of the model and its backward (a 16x16 NVFP4
@@ -31,11 +41,19 @@ the `_dq` operands too; `clear_weight_cache(model)` drops what is held.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockscale.ops.linear import RecipeConstant, compiled_linear, holds_quantized_copies, linear
+from blockscale.ops.linear import (
+    RecipeConstant,
+    compiled_linear,
+    holds_quantized_copies,
+    is_dtensor,
+    linear,
+)
 from blockscale.ops.weight_cache import (
     DEFAULT_FROM_FIRST_USE,
     DEFAULT_KEEP_DQ,
@@ -99,6 +117,10 @@ class Linear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self.quantize_enabled:
             return F.linear(input, self.weight, self.bias)
+        # DTensors under a bf16 recipe go on to `linear`, which is F.linear: DTensor's own.
+        dtensors = is_dtensor(input) or is_dtensor(self.weight)
+        if dtensors and _dtensor_forward is not None and self.recipe.quantized:
+            return _dtensor_forward(self, input)
         if torch.compiler.is_dynamo_compiling():
             if not (_plain(input) and _traceable_weight(self.weight)):
                 return _linear_at_a_graph_break(input, self.weight, self.bias, self.recipe)
@@ -110,6 +132,19 @@ class Linear(nn.Linear):
     def extra_repr(self) -> str:
         state = "" if self.quantize_enabled else ", quantize_enabled=False"
         return f"{super().extra_repr()}, recipe={self.recipe.name}{state}"
+
+
+DTensorForward = Callable[[Linear, torch.Tensor], torch.Tensor]
+_dtensor_forward: DTensorForward | None = None
+
+
+def register_dtensor_forward(forward: DTensorForward) -> None:
+    """Make `forward(layer, input)` the forward of every quantized Linear whose weight or input
+    is a DTensor (module docstring, "DTensors"); blockscale.distributed registers its own when
+    imported, as `import blockscale` does. Until one is registered, `linear` raises a TypeError
+    for a DTensor."""
+    global _dtensor_forward
+    _dtensor_forward = forward
 
 
 def _clear_after_load(module: nn.Module, incompatible_keys: object) -> None:
@@ -187,7 +222,8 @@ def _traceable_weight(weight: torch.Tensor) -> bool:
 @torch.compiler.disable
 def _linear_at_a_graph_break(input, weight, bias, recipe) -> torch.Tensor:
     """`linear` run eagerly inside a compiled model, for an input or weight that is a tensor
-    subclass other than a quantized weight (a DTensor under tensor parallelism). Letting
+    subclass other than a quantized weight (until 2026-12-05, DTensors under tensor parallelism:
+    now `_dtensor_forward`, which Dynamo traces as it traces tp.py's styles). Letting
     Dynamo trace `linear` itself broke it into pieces recompiled per weight shape, one of which
     failed on the first compile with a fresh cache ("sources must not be empty for symbol",
     building guards for a size of a subclass's scales; seen on two GPUs and on the CPU).

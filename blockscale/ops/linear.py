@@ -882,10 +882,11 @@ def linear(
     for name, t in (("input", input), ("weight", weight)):
         if is_dtensor(t):
             raise TypeError(
-                f"blockscale.linear got a DTensor {name}: quantized layers compute on local "
-                "tensors; for tensor parallel, use blockscale.distributed."
-                "QuantizedColwiseParallel / QuantizedRowwiseParallel in the parallelize_module "
-                "plan (torch's ColwiseParallel / RowwiseParallel hand the layer DTensors)"
+                f"blockscale.linear got a DTensor {name}: it computes on local tensors; for "
+                "tensor parallel, parallelize a converted blockscale.nn.Linear (with torch's "
+                "ColwiseParallel / RowwiseParallel or blockscale.distributed."
+                "QuantizedColwiseParallel / QuantizedRowwiseParallel), which hands linear "
+                "its local shards"
             )
     if weight.dim() != 2 or input.shape[-1] != weight.shape[1]:
         raise ValueError(
