@@ -19,8 +19,27 @@ through indices a Triton kernel computes, on CUDA only) for torch's grouped GEMM
 takes any group size, so the experts the converter routes (all of them: `convert` routes the
 BF16 tail's experts through `torch._grouped_mm` itself) skip that padding
 (`UnpaddedGroupedExperts`: the same products, without the gather and its scatter back).
-Weights that are DTensors (tensor or expert parallelism) keep torchtitan's own forward.
 Unverified on a GPU: whether torch's BF16 grouped GEMM takes unpadded groups there.
+
+Expert parallelism (torchtitan's `ExpertParallel`: each expert weight a DTensor sharded whole
+experts over the mesh dim "ep", `Shard(0)`). torchtitan's forward takes the local shards with
+`to_local()` and calls `_run_experts_grouped_mm` on them; the router cannot follow `to_local`
+(an autograd Function, which no torch-function mode sees), so under that forward the converted
+experts run torch's BF16 grouped GEMM, unquantized (the router's "not consumed" warning says
+so). The converter therefore puts `ExpertParallelShards` in front of each converted experts
+class: while the weights are such DTensors, the forward binds their local shards (`to_local()`,
+differentiable: the gradients reach the DTensor parameters as under torchtitan's forward) as
+the module's weights, and the routed forward quantizes the local experts as it does without
+EP. Token groups arrive in EP's layout (torchtitan's dispatch permutes and pads each local
+expert's group with zero rows to a multiple of 8, at least 8; rows past the last group are
+left over): blockscale's grouped GEMM takes those groups as they are, zero rows change neither
+an expert's amax nor another row's result (zero output, zero gradient), and EP's combine drops
+them. Every expert's quantizations are its own (per-expert amaxes), and EP keeps the token
+order within a group, so with experts split whole across ranks a rank computes, bit for bit,
+what one process computes for those experts from the same tokens (rounding to nearest;
+tests/test_titan_expert_parallel.py). Weights sharded otherwise (torchtitan's `TensorParallel`
+of the experts, `ExpertTensorParallel`'s hidden-dim shards) keep torchtitan's own forward, in
+BF16 (the router warns).
 
 Under FSDP (`parallel_dims.fsdp_enabled`: dp_shard or cp above 1, the condition on which
 torchtitan's parallelize calls `fully_shard`) the converter also calls
@@ -31,13 +50,16 @@ pipeline parallelism (`quantized_all_gather_reason`; the log says which): there 
 gather in torchtitan's mixed-precision dtype.
 """
 
+import functools
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torchtitan.models.moe.moe import GroupedExperts, _run_experts_grouped_mm
 from torchtitan.protocols.model_converter import register_model_converter
 
@@ -87,6 +109,58 @@ class UnpaddedGroupedExperts(GroupedExperts):
         return _run_experts_grouped_mm(self.w1, self.w2, self.w3, x, num_tokens_per_expert)
 
 
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+
+
+def expert_parallel_shards(module: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The local shards (`to_local()`) of `module`'s expert weights where all are DTensors
+    sharded whole experts over an "ep" mesh dim (every placement `Shard(0)`), else None."""
+    weights = [module._parameters.get(name) for name in EXPERT_WEIGHTS]
+    for w in weights:
+        if not isinstance(w, DTensor) or "ep" not in (w.device_mesh.mesh_dim_names or ()):
+            return None
+        if any(placement != Shard(0) for placement in w.placements):
+            return None
+    return {name: w.to_local() for name, w in zip(EXPERT_WEIGHTS, weights, strict=True)}
+
+
+@contextmanager
+def _weights_bound(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    old = {name: module._parameters[name] for name in tensors}
+    module._parameters.update(tensors)
+    try:
+        yield
+    finally:
+        module._parameters.update(old)
+
+
+class ExpertParallelShards:
+    """Put in front of a converted `UnpaddedGroupedExperts`' class: under expert parallelism
+    the routed forward runs on the weights' local shards, so they are quantized (module
+    docstring, "Expert parallelism")."""
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        shards = expert_parallel_shards(self) if self.use_grouped_mm else None
+        if shards is None:
+            return super().forward(x, num_tokens_per_expert)
+        return _forward_on_shards(self, shards, x, num_tokens_per_expert)
+
+
+@torch.compiler.disable
+def _forward_on_shards(
+    module: nn.Module, shards: dict[str, torch.Tensor], *args: torch.Tensor
+) -> torch.Tensor:
+    # eager (torchtitan does not compile the experts under EP either): Dynamo is kept out of
+    # the module's parameter swap
+    with _weights_bound(module, shards):
+        return super(ExpertParallelShards, module).forward(*args)
+
+
+@functools.cache
+def _expert_parallel_class(cls: type[nn.Module]) -> type[nn.Module]:
+    return type(cls.__name__, (ExpertParallelShards, cls), {"__module__": __name__})
+
+
 def model_policy(model: nn.Module, options: Blockscale) -> TitanPolicy:
     """`TitanPolicy` for a built torchtitan model (its blocks: `model.layers`)."""
     layers = getattr(model, "layers", None)
@@ -126,6 +200,10 @@ class BlockscaleConverter:
                 # convert routes every experts module (BF16 ones through torch's grouped GEMM)
                 module.__class__ = UnpaddedGroupedExperts
         bsnn.convert(model, self.recipe, module_filter_fn=policy)
+        for module in model.modules():
+            routed = isinstance(module, UnpaddedGroupedExperts) and hasattr(module, "grouped_mms")
+            if routed and not isinstance(module, ExpertParallelShards):
+                module.__class__ = _expert_parallel_class(type(module))
         if not any(isinstance(m, bsnn.Linear) and m.recipe.quantized for m in model.modules()):
             return  # only experts converted: nothing to gather quantized
         reason = quantized_all_gather_reason(self.parallel_dims)
