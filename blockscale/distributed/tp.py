@@ -345,12 +345,17 @@ def _placed(t: torch.Tensor | None) -> str:
 
 
 def _is_placed(t: torch.Tensor | None, mesh: DeviceMesh, want: Placement) -> bool:
-    """`t` is a DTensor on `mesh` laid out as `want` alone (exactly that type: torch 2.11's
-    _StridedShard subclasses Shard and compares equal to it)."""
+    """`t` is a DTensor on `mesh` laid out as `want` alone: not a _StridedShard, which torch
+    2.11 makes a Shard subclass that compares equal to a Shard. (An isinstance test, not
+    `type(p) is type(want)`, which torch 2.11's Dynamo evaluates False for equal types.)"""
     if not isinstance(t, DTensor) or t.device_mesh != mesh or len(t.placements) != 1:
         return False
     (placement,) = t.placements
-    return type(placement) is type(want) and placement == want
+    return (
+        isinstance(placement, type(want))
+        and not isinstance(placement, _StridedShard)
+        and placement == want
+    )
 
 
 def _torch_style_layout(module: Linear, input: torch.Tensor) -> _Layout:
