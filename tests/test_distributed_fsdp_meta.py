@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_distributed_fsdp import RECIPES, WORLD, _batches, _count_all_gathers, _loss, _shard
-from test_torchtitan import needs_v0_2
+from test_torchtitan import build_v0_2_from, needs_v0_2
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -251,7 +251,6 @@ def _titan_worker(rank: int, world_size: int) -> None:
     the reduce-scatter it then asks for (PREMUL_SUM) gloo does not implement."""
     import torchtitan.distributed.parallel_dims as titan_parallel_dims
     from torchtitan.config import ConfigManager
-    from torchtitan.protocols.model_converter import build_model_converters
 
     import blockscale.integrations.titan.v0_2  # noqa: F401 (registers "blockscale")
 
@@ -264,21 +263,10 @@ def _titan_worker(rank: int, world_size: int) -> None:
     dims = titan_parallel_dims.ParallelDims(
         dp_replicate=1, dp_shard=world_size, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world_size
     )
-    models = []
-    for parallel_dims in (dims, None):
-        model_args = spec.model_args["debugmodel"]
-        model_args.update_from_config(job_config)
-        model_args.moe_args.use_grouped_mm = True  # as build_v0_2 in test_torchtitan
-        with torch.device("meta"):
-            model = spec.model_cls(model_args)
-        build_model_converters(job_config, parallel_dims).convert(model)
-        if parallel_dims is not None:
-            model = spec.parallelize_fn(model, parallel_dims, job_config)
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            model.init_weights(buffer_device=None)
-        models.append(model)
-    sharded, reference = models
+    sharded, reference = (
+        build_v0_2_from(spec, job_config, parallel_dims, seed=None)
+        for parallel_dims in (dims, None)
+    )
     linears = _quantized_linears(sharded)
     assert len(linears) >= 4
     _assert_sharded_weights(sharded, "after torchtitan's parallelize, to_empty and init")

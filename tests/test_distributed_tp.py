@@ -246,7 +246,11 @@ def test_tensor_parallel_mlp_equals_one_device():
     run_local(_tp_worker, WORLD)
 
 
-def _compile_worker(rank: int, world_size: int) -> None:
+def compile_worker(rank: int, world_size: int, plan: dict | None = None) -> None:
+    """The MLP under `plan` (default: the quantized styles' PLAN) compiled with
+    `fullgraph=True`: output, input gradient and weight gradients equal eager's (the biases'
+    gradients are Inductor's own sums). test_distributed_tp_torch_styles runs it with torch's
+    own styles."""
     # ReLU, not GELU: Inductor's GELU differs from eager's in the last bit, which is not ours
     mesh = init_device_mesh("cpu", (world_size,))
     x, grad = _data()
@@ -254,7 +258,7 @@ def _compile_worker(rank: int, world_size: int) -> None:
     for compiled in (False, True):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
-        model = parallelize_module(bs.convert(model, RECIPES["nvfp4"]), mesh, PLAN)
+        model = parallelize_module(bs.convert(model, RECIPES["nvfp4"]), mesh, plan or PLAN)
         run = torch.compile(model, options=EXACT_INDUCTOR_OPTIONS, fullgraph=True)
         xi = x.clone().requires_grad_()
         out = (run if compiled else model)(xi)
@@ -265,7 +269,7 @@ def _compile_worker(rank: int, world_size: int) -> None:
 
 
 def test_compiled_tensor_parallel_equals_eager():
-    run_local(_compile_worker, WORLD)
+    run_local(compile_worker, WORLD)
 
 
 def _hf_llama_worker(rank: int, world_size: int) -> None:

@@ -49,8 +49,9 @@ from test_distributed_tp import (
     _bound,
     _data,
     _mlp,
+    compile_worker,
 )
-from test_torchtitan import needs_v0_2
+from test_torchtitan import build_v0_2_from, needs_v0_2
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
@@ -59,7 +60,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import blockscale as bs
 from blockscale.distributed import QuantizedColwiseParallel, QuantizedRowwiseParallel, tp
 from blockscale.distributed.launch import run_local
-from blockscale.ops.linear import EXACT_INDUCTOR_OPTIONS
 
 TORCH_PLAN = {"0": ColwiseParallel(), "2": RowwiseParallel()}
 SEQUENCE_PLANS = (
@@ -141,24 +141,8 @@ def test_torch_styles_compute_what_the_quantized_styles_compute():
     run_local(_styles_worker, WORLD)
 
 
-def _compile_worker(rank: int, world_size: int) -> None:
-    # ReLU, not GELU: Inductor's GELU differs from eager's in the last bit (test_distributed_tp)
-    mesh = init_device_mesh("cpu", (world_size,))
-    x, grad = _data()
-    steps = []
-    for compiled in (False, True):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
-        model = parallelize_module(bs.convert(model, RECIPES["nvfp4"]), mesh, TORCH_PLAN)
-        run = torch.compile(model, options=EXACT_INDUCTOR_OPTIONS, fullgraph=True)
-        out, x_grad, w1, _, w2, _ = _step(run if compiled else model, x, grad)
-        steps.append([out, x_grad, w1, w2])  # the biases' gradients: Inductor's own sums
-    for name, eager, compiled in zip(["output", "grad_input", "fc1", "fc2"], *steps, strict=True):
-        assert torch.equal(eager, compiled), name
-
-
 def test_compiled_torch_styles_equal_eager():
-    run_local(_compile_worker, WORLD)
+    run_local(compile_worker, WORLD, TORCH_PLAN)
 
 
 def _refusals_worker(rank: int, world_size: int) -> None:
@@ -251,7 +235,6 @@ def _titan_tp_worker(rank: int, world_size: int) -> None:
     docstring, and docs/TORCHTITAN.md)."""
     import torchtitan.distributed.parallel_dims as titan_parallel_dims
     from torchtitan.config import ConfigManager
-    from torchtitan.protocols.model_converter import build_model_converters
 
     import blockscale.integrations.titan.v0_2  # noqa: F401 (registers "blockscale")
 
@@ -266,22 +249,14 @@ def _titan_tp_worker(rank: int, world_size: int) -> None:
     dims = titan_parallel_dims.ParallelDims(
         dp_replicate=1, dp_shard=1, cp=1, tp=world_size, pp=1, ep=1, etp=1, world_size=world_size
     )
-    models = []
-    for parallel_dims in (dims, None):
-        model_args = spec.model_args["debugmodel"]
-        model_args.update_from_config(job_config)
+
+    def every_block_dense(model_args) -> None:
         model_args.interleave_moe_layer_step = model_args.n_layers + 1
-        with torch.device("meta"):
-            model = spec.model_cls(model_args)
-        build_model_converters(job_config, parallel_dims).convert(model)
-        if parallel_dims is not None:
-            model = spec.parallelize_fn(model, parallel_dims, job_config)
-        model.to_empty(device="cpu")
-        torch.manual_seed(0)
-        with torch.no_grad():
-            model.init_weights(buffer_device=None)
-        models.append(model)
-    parallel, reference = models
+
+    parallel, reference = (
+        build_v0_2_from(spec, job_config, parallel_dims, configure=every_block_dense)
+        for parallel_dims in (dims, None)
+    )
 
     def unwrapped(name: str) -> str:  # activation checkpointing's wrapper, in the TP model
         return name.replace("._checkpoint_wrapped_module", "")

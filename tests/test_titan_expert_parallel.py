@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from test_torchtitan import needs_v0_2
+from test_torchtitan import build_v0_2_from, needs_v0_2
 
 import blockscale as bs
 from blockscale.distributed.launch import run_local
@@ -65,29 +65,18 @@ def _build(name: str, args: list[str], parallel_dims: Any = None) -> torch.nn.Mo
     """The debug model as torchtitan's trainer builds it: meta, converted, parallelized where
     `parallel_dims` are given (torchtitan's own parallelize), `to_empty`, `init_weights`."""
     from torchtitan.config import ConfigManager
-    from torchtitan.protocols.model_converter import build_model_converters
 
     import blockscale.integrations.titan.v0_2  # noqa: F401 (registers "blockscale")
 
     spec = importlib.import_module(f"torchtitan.models.{name}").get_train_spec()
     custom = ["--job.custom_config_module", "blockscale.integrations.titan.v0_2"]
     job_config = ConfigManager().parse_args(["--model.converters", "blockscale", *custom, *args])
-    model_args = spec.model_args["debugmodel"]
-    model_args.update_from_config(job_config)
-    model_args.moe_args.use_grouped_mm = True  # as build_v0_2 in test_torchtitan
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
-    converters = build_model_converters(job_config, parallel_dims)
-    (converter,) = converters.converters
-    converter.recipe = RECIPE  # round to nearest (module docstring)
-    converters.convert(model)
-    if parallel_dims is not None:
-        model = spec.parallelize_fn(model, parallel_dims, job_config)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    return model
+
+    def round_to_nearest(converters) -> None:
+        (converter,) = converters.converters
+        converter.recipe = RECIPE  # round to nearest (module docstring)
+
+    return build_v0_2_from(spec, job_config, parallel_dims, converters=round_to_nearest)
 
 
 class _GroupedMMLog:

@@ -254,26 +254,43 @@ def histc_on_cpu(monkeypatch):
 def build_v0_2(name, args=(), seed=0, convert=True):
     """torchtitan 0.2.2's debug model with the converters its job config names, as its trainer
     builds it: on the meta device, converted, then `to_empty` and its weight init."""
-    import importlib
-
     from torchtitan.config import ConfigManager
-    from torchtitan.protocols.model_converter import build_model_converters
 
     import blockscale.integrations.titan.v0_2  # noqa: F401 (registers "blockscale")
 
     spec = importlib.import_module(f"torchtitan.models.{name}").get_train_spec()
     job_config = ConfigManager().parse_args(["--model.converters", "blockscale", *args])
+    return build_v0_2_from(spec, job_config, seed=seed, convert=convert)
+
+
+def build_v0_2_from(
+    spec, job_config, parallel_dims=None, seed=0, convert=True, configure=None, converters=None
+):
+    """`build_v0_2` on a train spec and job config already made, as the distributed tests
+    need them: parallelized by torchtitan's own `parallelize_fn` where `parallel_dims` are
+    given. `configure(model_args)` edits the debug config, `converters(built)` the built
+    converters before they convert; `seed=None` leaves the random state as it is."""
+    from torchtitan.protocols.model_converter import build_model_converters
+
     model_args = spec.model_args["debugmodel"]
     model_args.update_from_config(job_config)
     # which turns torch's grouped GEMM off without an SM90 GPU (the experts then loop in
     # Python, a path no converter reaches); blockscale's grouped GEMM runs on the CPU
     model_args.moe_args.use_grouped_mm = True
+    if configure is not None:
+        configure(model_args)
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     if convert:
-        build_model_converters(job_config, None).convert(model)
+        built = build_model_converters(job_config, parallel_dims)
+        if converters is not None:
+            converters(built)
+        built.convert(model)
+    if parallel_dims is not None:
+        model = spec.parallelize_fn(model, parallel_dims, job_config)
     model.to_empty(device="cpu")
-    torch.manual_seed(seed)
+    if seed is not None:
+        torch.manual_seed(seed)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     return model
