@@ -41,6 +41,8 @@ What must hold against one process running the same converted MLP (stochastic ro
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -165,16 +167,21 @@ def _parallelized(model: nn.Module, mesh, all_reduce_amax) -> nn.Module:
         tp.all_reduce_amax = real
 
 
-def _tp_worker(rank: int, world_size: int) -> None:
-    mesh = init_device_mesh("cpu", (world_size,))
-    x, grad = _data()
-    real_all_reduce = tp.all_reduce_amax
-    calls = []
+def counting_all_reduce() -> tuple[list[int], Callable]:
+    """(calls, counted): `counted` is tp.all_reduce_amax, recording each reduction's size."""
+    real, calls = tp.all_reduce_amax, []
 
     def counted(t, group=None):
         calls.append(t.numel())
-        return real_all_reduce(t, group)
+        return real(t, group)
 
+    return calls, counted
+
+
+def _tp_worker(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,))
+    x, grad = _data()
+    calls, counted = counting_all_reduce()
     for name, recipe in RECIPES.items():
         ref_model = _mlp(recipe)
         ref = _one_device(ref_model, x, grad)

@@ -50,6 +50,7 @@ from test_distributed_tp import (
     _data,
     _mlp,
     compile_worker,
+    counting_all_reduce,
 )
 from test_torchtitan import build_v0_2_from, needs_v0_2
 from torch import nn
@@ -94,12 +95,7 @@ def _styles_worker(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
     x, grad = _data()
     real_all_reduce = tp.all_reduce_amax
-    calls = []
-
-    def counted(t, group=None):
-        calls.append(t.numel())
-        return real_all_reduce(t, group)
-
+    calls, counted = counting_all_reduce()
     tp.all_reduce_amax = counted  # read when a quantized style is applied, or at each forward
     recipes = {**RECIPES, "nvfp4 (stochastic rounding)": bs.recipes.nvfp4()}
     for name, recipe in recipes.items():
@@ -280,12 +276,7 @@ def _titan_tp_worker(rank: int, world_size: int) -> None:
     tokens = torch.randint(0, 2048, (2, 65), generator=torch.Generator().manual_seed(0))
     want = reference(tokens[:, :-1]).detach()
     real_all_reduce = tp.all_reduce_amax
-    calls = []
-
-    def counted(t, group=None):
-        calls.append(t.numel())
-        return real_all_reduce(t, group)
-
+    calls, counted = counting_all_reduce()
     tp.all_reduce_amax = counted  # read at each forward of a layer under torch's styles
     logits = parallel(tokens[:, :-1])
     assert len(calls) == len(linears)  # one amax all-reduce per layer and forward
