@@ -1189,3 +1189,72 @@ def test_jit_kernels_call_helpers_by_plain_name():
                         bad.append(f"{info.name}.{node.name}: {ast.unparse(call.func)}")
     assert checked > 20, f"only {checked} jit functions found"
     assert not bad, bad
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_grouped_amax_is_the_quantizers_own(kernels, monkeypatch):
+    """ops.grouped_amax gives the group amaxes quantize_grouped's NVFP4 copies take themselves
+    (the token copy's of its Hadamard transform), and handed back as `amax` they give the same
+    bits: what tensor parallel reduces over ranks first."""
+    if kernels:
+        _kernels_on(monkeypatch)
+    from blockscale.formats.grouped import token_layout
+    from blockscale.ops.quantize import grouped_amax, quantize_grouped
+
+    x, _, _, offs = _data([44, 0, 1, 37], 5)
+    layout = token_layout(offs, x.shape[0])
+    recipe = RECIPES["nvfp4"]
+    row, tokens = recipe.output.input, recipe.grad_weight.input_t
+    assert tokens.hadamard
+    own = quantize_grouped(x, offs, layout, row, tokens)
+    amaxes = grouped_amax(x, offs, layout, row, tokens)
+    given = quantize_grouped(x, offs, layout, row, tokens, amax=amaxes)
+    # what is written: the row copy's rows up to offs[-1], the token copy's positions up to
+    # the last segment's end (the kernels leave the rest unwritten, formats/grouped.py)
+    end, seg_end = int(offs[-1]), int(layout.seg_ends[-1])
+    def written(op, copy):
+        if copy == 0:
+            return op.data[:end], op.scale[:end]
+        return op.data[:, : seg_end // 2], op.scale[:, : seg_end // 16]
+
+    for copy, (mine, theirs, amax) in enumerate(zip(own, given, amaxes, strict=True)):
+        assert torch.equal(mine.amax, amax)
+        for a, b in zip(written(mine, copy), written(theirs, copy), strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert grouped_amax(x, offs, layout, RECIPES["mxfp8"].output.input, None) == (None, None)
+    with pytest.raises(ValueError, match="only for an NVFP4 copy"):
+        quantize_grouped(x, offs, layout, RECIPES["mxfp8"].output.input, None,
+                         amax=(amaxes[0], None))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "nvfp4-1x16", "nvfp4_fwd_mxfp8_bwd", "mxfp8"])
+def test_grouped_mm_with_whole_operands_is_unchanged_by_the_reduction(name):
+    """A reduction that changes nothing (every operand whole, one rank) gives the same bits as
+    none, and runs one collective in the forward and one in the backward where an operand it
+    names is NVFP4 there (none for MXFP8, which has no tensor amax)."""
+    recipe = RECIPES[name]
+    x, w, grad, offs = _data([44, 0, 1, 37], 5)
+    calls = []
+
+    def identity(t):
+        calls.append(t.numel())
+        return t
+
+    reduction = bs.ops.AmaxReduction(identity, input=True, weight=True, grad_output=True)
+    results = []
+    for amax_reduction in (None, reduction):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = bs.grouped_mm(xi, wi.transpose(-2, -1), offs, recipe, amax_reduction=amax_reduction)
+        out.backward(grad)
+        results.append((out, xi.grad, wi.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    # one [4] amax for each NVFP4 operand copy: forward, the input's row and token copies and
+    # the weights (one for both weight copies); backward, grad_output's row and token copies
+    def nvfp4(*configs):
+        return sum(c.format is recipes.Format.NVFP4 for c in configs)
+
+    forward = nvfp4(recipe.output.input, recipe.grad_weight.input_t)
+    forward += nvfp4(recipe.output.weight, recipe.grad_input.weight) > 0
+    backward = nvfp4(recipe.grad_input.grad_output, recipe.grad_weight.grad_output_t)
+    assert calls == [4 * n for n in (forward, backward) if n], calls

@@ -137,6 +137,14 @@ def group_amax(x: torch.Tensor, offs: torch.Tensor, hadamard_tokens: bool = Fals
     return torch.stack(out) if out else x.new_zeros(0, dtype=torch.float32)
 
 
+def experts_amax(w: torch.Tensor) -> torch.Tensor:
+    """FP32 [E]: max |w[e]| of expert weights w [E, N, K], the amax each expert's NVFP4 copy
+    takes when none is given (0 for an expert with no values). NaN propagates."""
+    if w.numel() == 0:
+        return w.new_zeros(w.shape[0], dtype=torch.float32)
+    return w.float().abs().amax(dim=(1, 2))
+
+
 def nvfp4_quantize_rows(
     x: torch.Tensor, offs: torch.Tensor, rounding: str = "nearest", amax: torch.Tensor | None = None
 ) -> NVFP4Tensor:

@@ -11,6 +11,7 @@ from blockscale.kernels.amax import amax, amax_fused, amax_hadamard_t
 from blockscale.kernels.epilogue import gemm_epilogue
 from blockscale.kernels.gemm import gemm_into
 from blockscale.kernels.grouped import (
+    experts_amax,
     group_amax,
     mxfp8_quantize_experts,
     mxfp8_quantize_experts_pair,
@@ -48,6 +49,7 @@ __all__ = [
     "amax_hadamard_t",
     "gemm_epilogue",
     "gemm_into",
+    "experts_amax",
     "group_amax",
     "grouped_gemm_rows",
     "grouped_gemm_rows_packed",

@@ -127,7 +127,12 @@ from torch.overrides import TorchFunctionMode
 
 from blockscale import _registry
 from blockscale.ops.grouped_mm import grouped_mm
-from blockscale.ops.linear import output_dtype, quantized_input_dtype, unaliased
+from blockscale.ops.linear import (
+    AmaxReduction,
+    output_dtype,
+    quantized_input_dtype,
+    unaliased,
+)
 from blockscale.ops.weight_cache import WeightCache
 from blockscale.recipes import Recipe, require_recipe
 
@@ -191,6 +196,8 @@ class GroupedMM(nn.Module):
     the operands are not BF16 (`_unquantized_grouped_mm`).
     `weight_cache` keeps the experts' quantized copies while they are unchanged (as on
     `Linear`; the router passes the parameter the weight came from as `weight_source`).
+    `amax_reduction` (None: the operands are whole): what tensor parallel of the experts sets
+    while its shards are bound (grouped_mm's "Tensor parallel").
 
     >>> gmm = bs.nn.GroupedMM(bs.recipes.get("mxfp8"))
     >>> x, w_t = torch.randn(64, 32), torch.randn(2, 32, 64)
@@ -203,6 +210,7 @@ class GroupedMM(nn.Module):
         self.weight_cache: WeightCache | None = WeightCache()
         self.recipe = recipe
         self.quantize_enabled = True
+        self.amax_reduction: AmaxReduction | None = None
         self.register_load_state_dict_post_hook(_clear_after_load)
 
     @property
@@ -239,6 +247,7 @@ class GroupedMM(nn.Module):
             out_dtype=out_dtype,
             weight_cache=cache,
             weight_source=weight_source,
+            amax_reduction=self.amax_reduction,
         )
 
     def extra_repr(self) -> str:

@@ -43,6 +43,17 @@ for its dtype and shape; its values are checked on the host on the CPU, and on C
 device-side assertion (`torch._assert_async`), which raises at the next synchronization rather
 than at the call.
 
+Tensor parallel (`amax_reduction`, an `AmaxReduction` as `linear` takes it): experts whose
+hidden dimension is split over ranks, each rank multiplying its shard of every expert
+(torchtitan's `TensorParallel` of the experts). w1 / w3 ([E, hidden, dim]) are column-wise:
+their weight shards and grad_output shards (per expert) are sharded, `weight=True,
+grad_output=True`; w2 ([E, dim, hidden]) is row-wise: its weight and its input (the
+activation's columns) are, `input=True, weight=True`. Every NVFP4 copy of a sharded operand
+then scales each expert with the whole tensor's amax for that expert (its [E] local amaxes
+MAX-reduced, one collective in the forward and one in the backward), so with shards of whole
+blocks a shard's codes and scales are exactly that part of one process's. The token groups
+(offs) are the same on every rank.
+
 A recipe that quantizes nothing is exactly `torch._grouped_mm` (whose rows past offs[-1] are
 left unspecified by PyTorch). Dtypes follow `linear`: the output has the autocast dtype when
 autocast is on (else the input's, or `out_dtype`), grad_input the input's, grad_weight the
@@ -69,6 +80,7 @@ from blockscale.gemm.grouped import (
     resolve_grouped_backend,
 )
 from blockscale.ops.linear import (
+    AmaxReduction,
     autocast_off,
     cached_dgrad_weight,
     cached_weight,
@@ -76,6 +88,7 @@ from blockscale.ops.linear import (
     first_derivatives,
     output_dtype,
     recomputes_weight,
+    reduced_amaxes,
     second_order_anchor,
     second_order_input_error,
     second_order_weight_error,
@@ -84,6 +97,8 @@ from blockscale.ops.linear import (
 from blockscale.ops.linear import unsupported_reason as linear_unsupported_reason
 from blockscale.ops.quantize import (
     QuantizedOperand,
+    experts_amax,
+    grouped_amax,
     load_operand,
     quantize_experts,
     quantize_experts_pair,
@@ -91,7 +106,7 @@ from blockscale.ops.quantize import (
     save_operand,
 )
 from blockscale.ops.weight_cache import Stamp, WeightCache, enter_forward, exit_forward
-from blockscale.recipes import OperandConfig, Recipe, require_recipe
+from blockscale.recipes import Format, OperandConfig, Recipe, require_recipe
 
 
 def unsupported_reason(k: int, n: int, recipe: Recipe) -> str | None:
@@ -227,6 +242,7 @@ class _GroupedMM(torch.autograd.Function):
         cache: WeightCache | None,
         stamp: Stamp | None,
         leaf_weight: bool,
+        sharded: AmaxReduction | None,
     ) -> torch.Tensor:
         weight = weight_t.transpose(-2, -1)  # [E, N, K], usually the parameter itself
         layout = token_layout(offs, input.shape[0])
@@ -235,12 +251,24 @@ class _GroupedMM(torch.autograd.Function):
         codes = ctx.codes = activation_codes(backend)
         with autocast_off(input.device.type):
             wgrad_cfg = recipe.grad_weight.input_t if ctx.needs_input_grad[1] else None
-            x_lp, x_t = quantize_grouped(
-                input, offs, layout, recipe.output.input, wgrad_cfg, codes=codes
-            )
             w_cfg = recipe.output.weight
             dgrad_cfg = recipe.grad_input.weight
             ctx.shared = dgrad_cfg.block == "16x16" and dgrad_cfg == recipe.output.weight
+            x_amax: tuple[torch.Tensor | None, ...] = (None, None)
+            w_amax = None
+            if sharded is not None:  # (grouped_mm's `amax_reduction`)
+                local: list[torch.Tensor | None] = [None, None, None]
+                if sharded.input:
+                    local[:2] = grouped_amax(input, offs, layout, recipe.output.input, wgrad_cfg)
+                if sharded.weight:
+                    # Every weight copy scales with max |w[e]| (no Hadamard on a weight)
+                    nvfp4 = [c for c in (w_cfg, dgrad_cfg) if c.format is Format.NVFP4]
+                    local[2] = experts_amax(weight, nvfp4[0]) if nvfp4 else None
+                *x_amax, w_amax = reduced_amaxes(sharded, local)
+            x_lp, x_t = quantize_grouped(
+                input, offs, layout, recipe.output.input, wgrad_cfg, codes=codes,
+                amax=tuple(x_amax),
+            )  # fmt: skip
             # under a trace, only from a view of a leaf (`weight_is_leaf`): compiled, the
             # experts' weights are usually a cast made in the forward
             ctx.recompute = ctx.needs_input_grad[0] and recomputes_weight(
@@ -256,7 +284,8 @@ class _GroupedMM(torch.autograd.Function):
             w_codes = codes or keeps_w
 
             def make_w(dq: bool) -> QuantizedOperand:
-                return quantize_experts(weight, w_cfg, dq=dq, codes=w_codes)
+                amax = w_amax if w_cfg.format is Format.NVFP4 else None
+                return quantize_experts(weight, w_cfg, dq=dq, codes=w_codes, amax=amax)
 
             dq = not packed_weight_rule(weight)  # (gemm/grouped.py)
             # A forward that keeps grad_input's copy along N makes both from one read
@@ -267,12 +296,13 @@ class _GroupedMM(torch.autograd.Function):
             out = grouped_mm_rows(x_lp, w_lp, offs, out_dtype, backend)
             w_tensors: list[torch.Tensor] = []
             if ctx.recompute:
-                amax = dgrad_amax(dgrad_cfg, w_lp)
+                amax = dgrad_amax(dgrad_cfg, w_lp, w_amax)
                 w_tensors = [weight_t] if amax is None else [weight_t, amax]
             elif ctx.needs_input_grad[0]:
 
                 def make_t(dq: bool) -> QuantizedOperand:
-                    return quantize_experts(weight, dgrad_cfg, transpose=True, dq=dq)
+                    amax = w_amax if dgrad_cfg.format is Format.NVFP4 else None
+                    return quantize_experts(weight, dgrad_cfg, transpose=True, dq=dq, amax=amax)
 
                 if ctx.shared:
                     weight_for_dgrad = TransposedExperts(w_lp)  # type: ignore[arg-type]
@@ -290,7 +320,7 @@ class _GroupedMM(torch.autograd.Function):
         ctx.save_for_backward(
             offs, layout.seg_ends, layout.source, layout.group, *w_tensors, *x_tensors
         )
-        ctx.recipe, ctx.backend = recipe, backend
+        ctx.recipe, ctx.backend, ctx.sharded = recipe, backend, sharded
         ctx.input_dtype, ctx.weight_dtype = input.dtype, weight_t.dtype
         return out
 
@@ -304,7 +334,7 @@ class _GroupedMM(torch.autograd.Function):
             grads = _GroupedMMBackward.apply(grad_output, weight_t, anchor, ctx, saved)
         else:
             grads = _backward_gemms(ctx, grad_output, saved)
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 def _backward_gemms(
@@ -322,15 +352,17 @@ def _backward_gemms(
     n = ctx.n_weight_tensors
     grad_input = grad_weight_t = None
     with autocast_off(grad_output.device.type):
+        row_cfg = recipe.grad_input.grad_output if ctx.needs_input_grad[0] else None
+        tokens_cfg = recipe.grad_weight.grad_output_t if ctx.needs_input_grad[1] else None
+        go_amax: list[torch.Tensor | None] = [None, None]
+        sharded: AmaxReduction | None = ctx.sharded
+        if sharded is not None and sharded.grad_output:
+            local = grouped_amax(grad_output, offs, layout, row_cfg, tokens_cfg)
+            go_amax = reduced_amaxes(sharded, list(local))
         go_lp, go_t = quantize_grouped(
-            grad_output,
-            offs,
-            layout,
-            recipe.grad_input.grad_output if ctx.needs_input_grad[0] else None,
-            recipe.grad_weight.grad_output_t if ctx.needs_input_grad[1] else None,
-            tokens_dq=True,
-            codes=ctx.codes,
-        )
+            grad_output, offs, layout, row_cfg, tokens_cfg, tokens_dq=True, codes=ctx.codes,
+            amax=tuple(go_amax),
+        )  # fmt: skip
         if ctx.needs_input_grad[0]:
             if ctx.recompute:
                 amax = saved[1] if n == 2 else None
@@ -458,6 +490,7 @@ def grouped_mm(
     *,
     weight_cache: WeightCache | None = None,
     weight_source: torch.Tensor | None = None,
+    amax_reduction: AmaxReduction | None = None,
 ) -> torch.Tensor:
     """out[rows of expert e] = input[rows of e] @ weight_t[e], the three GEMMs quantized as
     `recipe` says (module docstring). input [M, K], weight_t [E, K, N], offs int32 [E]
@@ -469,6 +502,9 @@ def grouped_mm(
     `weight_source`: the parameter weight_t was computed from by layout and dtype ops only
     (a transpose, a cast), which the cache then keys the copies by; None: weight_t is the
     parameter or a view of it, or the cache does not apply.
+    `amax_reduction`: input, weight_t or grad_output are shards of whole tensors (experts
+    under tensor parallel: module docstring, "Tensor parallel"); None: every operand is
+    whole. A sharded weight is quantized at each use (no `weight_cache`), as `linear` does.
 
     >>> x, w_t = torch.randn(64, 32), torch.randn(2, 32, 16)  # experts 0 and 1: 32 rows each
     >>> offs = torch.tensor([32, 64], dtype=torch.int32)
@@ -488,11 +524,15 @@ def grouped_mm(
     backend = resolve_grouped_backend(recipe.backend, input.device)
     dtype = out_dtype if out_dtype is not None else output_dtype(input)
     # Stamped here, not in the Function: `weight_source` must not become an autograd input.
+    if amax_reduction is not None and amax_reduction.weight:
+        weight_cache = None
     enter_forward()  # a call outside the model's forward scope is a scope of its own
     try:
         stamp = None if weight_cache is None else weight_cache.stamp(weight_t, weight_source)
         cache = None if stamp is None else weight_cache
         leaf = weight_is_leaf(weight_t, weight_source)
-        return _GroupedMM.apply(input, weight_t, offs, recipe, backend, dtype, cache, stamp, leaf)
+        return _GroupedMM.apply(
+            input, weight_t, offs, recipe, backend, dtype, cache, stamp, leaf, amax_reduction
+        )
     finally:
         exit_forward()

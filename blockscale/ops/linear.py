@@ -380,15 +380,17 @@ class AmaxReduction:
     grad_output: bool = False
 
 
-def _reduced(
+def reduced_amaxes(
     reduction: AmaxReduction, amaxes: list[torch.Tensor | None]
 ) -> list[torch.Tensor | None]:
-    """The local amaxes (None where an operand has none) reduced in one collective."""
-    present = [a.float().reshape(()) for a in amaxes if a is not None]
+    """The local amaxes (None where an operand has none; a scalar, or a grouped GEMM's [E]
+    vector) reduced in one collective, each in its own shape."""
+    present = [a.float().reshape(-1) for a in amaxes if a is not None]
     if not present:
         return amaxes
-    whole = iter(reduction.reduce(torch.stack(present)).unbind(0))
-    return [None if a is None else next(whole) for a in amaxes]
+    whole = reduction.reduce(torch.cat(present)).split([a.numel() for a in present])
+    parts = iter(whole)
+    return [None if a is None else next(parts).reshape(a.shape) for a in amaxes]
 
 
 def dgrad_amax(
@@ -550,7 +552,7 @@ class _Linear(torch.autograd.Function):
                     configs = [recipe.output.weight] + ([dgrad_cfg] if dgrad_copy else [])
                     nvfp4 = [c for c in configs if c.format is Format.NVFP4]
                     local[2] = operand_amax(weight, nvfp4[0]) if nvfp4 else None
-                x_amax, tokens_amax, w_amax = _reduced(sharded, local)
+                x_amax, tokens_amax, w_amax = reduced_amaxes(sharded, local)
             # an emulated GEMM reads only the row copy's `_dq` (the token copy is saved packed)
             x_lp, input_t = _quantized_input(
                 input, x, ctx.cast_dtype, recipe.output.input, wgrad_cfg, x_amax, tokens_amax,
@@ -630,7 +632,7 @@ def _backward_gemms(
         sharded: AmaxReduction | None = ctx.sharded
         if sharded is not None and sharded.grad_output:
             local = list(rows_and_tokens_amax(go, row_cfg, tokens_cfg))
-            go_amax, tokens_amax = _reduced(sharded, local)
+            go_amax, tokens_amax = reduced_amaxes(sharded, local)
         go_lp, go_t = quantize_rows_and_tokens(
             go, row_cfg, tokens_cfg, tokens_dq=True, row_amax=go_amax,
             tokens_amax=tokens_amax, codes=activation_codes(ctx.backend),

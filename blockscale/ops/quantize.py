@@ -475,6 +475,7 @@ def quantize_grouped(
     tokens_dq: bool = False,
     *,
     codes: bool = True,
+    amax: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[QuantizedOperand | None, QuantizedOperand | None]:
     """The two copies of a grouped activation [M, C] (formats/grouped.py): along C per `row`,
     each row with its group's amax (it feeds a GEMM now: its `_dq` is made with it), and along
@@ -484,15 +485,24 @@ def quantize_grouped(
     Stochastic draws: the row copy first. `codes=False`: each copy made with its `_dq` (the
     row copy; the token copy with `tokens_dq`) is written as its `_dq` alone, the result's
     `data` and `scale` empty, for a caller whose GEMMs read only the `_dq` (the emulated
-    ones) and that keeps nothing of it; the reference path writes them as usual."""
+    ones) and that keeps nothing of it; the reference path writes them as usual.
+    `amax` (row, tokens): FP32 [E] group amaxes an NVFP4 copy scales with instead of its own
+    (None: its own), e.g. the whole tensor's when x holds some of its columns (tensor
+    parallel; `grouped_amax` gives a copy's own)."""
     for cfg in (row, tokens):
         if cfg is not None and not cfg.quantized:
             raise ValueError("a grouped GEMM quantizes every operand (or none: the bf16 recipe)")
+    for cfg, given in zip((row, tokens), amax, strict=True):
+        if given is not None and (cfg is None or cfg.format is not Format.NVFP4):
+            raise ValueError("a group amax is given only for an NVFP4 copy that is made")
     if row is not None and tokens is not None and row.format is not tokens.format:
-        row_lp, _ = quantize_grouped(x, offs, layout, row, None, generator, codes=codes)
-        _, tok_lp = quantize_grouped(
-            x, offs, layout, None, tokens, generator, tokens_dq, codes=codes
+        row_lp, _ = quantize_grouped(
+            x, offs, layout, row, None, generator, codes=codes, amax=(amax[0], None)
         )
+        _, tok_lp = quantize_grouped(
+            x, offs, layout, None, tokens, generator, tokens_dq, codes=codes,
+            amax=(None, amax[1]),
+        )  # fmt: skip
         return row_lp, tok_lp
     fmt = (row or tokens).format  # type: ignore[union-attr]
     if _library.use_kernels(x):
@@ -504,6 +514,7 @@ def quantize_grouped(
                 tokens=tokens.rounding.value if tokens else None,
                 hadamard=bool(tokens and tokens.hadamard),
                 return_dq=(True, tokens_dq),
+                amax=amax,
                 generator=generator,
                 codes=(codes, codes),
             )
@@ -530,6 +541,7 @@ def quantize_grouped(
         None if row is None else row.rounding.value,
         None if tokens is None else tokens.rounding.value,
         bool(tokens and tokens.hadamard),
+        *amax,
     )
     row_lp = tok_lp = None
     if row is not None:
@@ -550,10 +562,13 @@ def _reference_grouped(
     row: str | None,
     tokens: str | None,
     hadamard: bool,
+    row_amax: torch.Tensor | None = None,
+    tokens_amax: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """The CPU reference of `quantize_grouped` (formats/grouped.py), as tensors: NVFP4's row
     copy (data, scale, amax) when `row` names its rounding, then its token copy (data, scale,
-    amax) when `tokens` does; MXFP8's token copy (data, scale). It loops over the groups with
+    amax) when `tokens` does (with the given group amaxes, if any); MXFP8's token copy (data,
+    scale). It loops over the groups with
     the offsets read on the host, which no trace can follow (a guard on each group's size):
     so a trace (torch.compile, a converted experts module's nonstrict call) holds it as one
     opaque op, which runs this same function on the real tensors, and eager calls it
@@ -564,16 +579,16 @@ def _reference_grouped(
         return [q.data, q.scale]
     out: list[torch.Tensor] = []
     if row is not None:
-        q = grouped.nvfp4_quantize_rows(x, offs, row)
+        q = grouped.nvfp4_quantize_rows(x, offs, row, amax=row_amax)
         out += [q.data, q.scale, q.amax]
     if tokens is not None:
-        q = grouped.nvfp4_quantize_tokens(x, offs, tokens, hadamard=hadamard)
+        q = grouped.nvfp4_quantize_tokens(x, offs, tokens, hadamard=hadamard, amax=tokens_amax)
         out += [q.data, q.scale, q.amax]
     return out
 
 
 @_reference_grouped.op.register_fake
-def _(x, offs, fmt, row, tokens, hadamard) -> list[torch.Tensor]:
+def _(x, offs, fmt, row, tokens, hadamard, row_amax=None, tokens_amax=None) -> list[torch.Tensor]:
     (m, c), groups = x.shape, offs.shape[0]
     p = grouped.token_capacity(m, groups)
     if fmt == "mxfp8":
@@ -588,6 +603,61 @@ def _(x, offs, fmt, row, tokens, hadamard) -> list[torch.Tensor]:
                 x.new_empty(groups, dtype=torch.float32),
             ]
     return out
+
+
+def grouped_amax(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    layout: TokenLayout,
+    row: OperandConfig | None,
+    tokens: OperandConfig | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The FP32 [E] group amaxes (row, tokens) `quantize_grouped(x, offs, layout, row, tokens)`
+    would compute itself: each group's max |x|, and for a Hadamard token copy each group's max
+    over its transformed segment. None for a copy that is skipped or not NVFP4 (MXFP8 has no
+    tensor amax). One read of x on the kernels; an opaque op on the reference path, which
+    loops over the groups on the host."""
+    want_row = row is not None and row.format is Format.NVFP4
+    want_tok = tokens is not None and tokens.format is Format.NVFP4
+    if not (want_row or want_tok):
+        return None, None
+    hadamard = want_tok and bool(tokens.hadamard)  # type: ignore[union-attr]
+    plain = want_row or (want_tok and not hadamard)
+    if _library.use_kernels(x):
+        found = _kernels().group_amax(x, layout, plain=plain, hadamard=hadamard)
+    else:
+        found = tuple(_reference_group_amax(x, offs, plain, hadamard))
+        found = (found[0] if plain else None, found[-1] if hadamard else None)
+    plain_amax, hadamard_amax = found
+    row_amax = plain_amax if want_row else None
+    tokens_amax = (hadamard_amax if hadamard else plain_amax) if want_tok else None
+    return row_amax, tokens_amax
+
+
+@library_op("blockscale::group_amax_reference")
+def _reference_group_amax(
+    x: torch.Tensor, offs: torch.Tensor, plain: bool, hadamard: bool
+) -> list[torch.Tensor]:
+    """formats.grouped.group_amax as an op (its host loop is opaque to a trace): the plain
+    amaxes if `plain`, then the Hadamard token copy's if `hadamard`."""
+    out = [grouped.group_amax(x, offs)] if plain else []
+    return out + ([grouped.group_amax(x, offs, hadamard_tokens=True)] if hadamard else [])
+
+
+@_reference_group_amax.op.register_fake
+def _(x, offs, plain, hadamard) -> list[torch.Tensor]:
+    return [x.new_empty(offs.shape[0], dtype=torch.float32) for _ in range(plain + hadamard)]
+
+
+def experts_amax(w: torch.Tensor, config: OperandConfig) -> torch.Tensor | None:
+    """The FP32 [E] amaxes `quantize_experts(w, config)` finds itself (max |w[e]|, along K or
+    N alike: no weight copy is Hadamard-transformed), or None for a config without a tensor
+    amax (MXFP8)."""
+    if config.format is not Format.NVFP4:
+        return None
+    if _library.use_kernels(w):
+        return _kernels().experts_amax(w)
+    return grouped.experts_amax(w)
 
 
 def quantize_experts(
