@@ -37,9 +37,18 @@ an expert's amax nor another row's result (zero output, zero gradient), and EP's
 them. Every expert's quantizations are its own (per-expert amaxes), and EP keeps the token
 order within a group, so with experts split whole across ranks a rank computes, bit for bit,
 what one process computes for those experts from the same tokens (rounding to nearest;
-tests/test_titan_expert_parallel.py). Weights sharded otherwise (torchtitan's `TensorParallel`
-of the experts, `ExpertTensorParallel`'s hidden-dim shards) keep torchtitan's own forward, in
-BF16 (the router warns).
+tests/test_titan_expert_parallel.py).
+
+Tensor parallel of the experts (torchtitan's `TensorParallel` where TP is on and EP off, and
+`ExpertTensorParallel`'s second mesh dim with both): each rank holds a slice of every expert's
+hidden dimension (w1, w3 `Shard(1)`, w2 `Shard(2)`) and every token. `ExpertParallelShards`
+binds those local shards too, and gives each weight's `GroupedMM` the amax reduction over that
+mesh dim (grouped_mm's "Tensor parallel": w1 and w3 column-wise, w2 row-wise), so every
+quantized operand is that part of one process's operand, bit for bit; the products that
+contract the hidden dimension (w2's output, the input's gradient) are partial sums that
+torchtitan's layouts add up, as in its own forward. The slice must hold whole blocks (16 for
+NVFP4, 32 for MXFP8; checked at the first forward, with an error naming the rule). Weights
+placed any other way keep torchtitan's own forward, in BF16 (the router warns).
 
 Under FSDP (`parallel_dims.fsdp_enabled`: dp_shard or cp above 1, the condition on which
 torchtitan's parallelize calls `fully_shard`) the converter also calls
@@ -64,6 +73,7 @@ from torchtitan.models.moe.moe import GroupedExperts, _run_experts_grouped_mm
 from torchtitan.protocols.model_converter import register_model_converter
 
 import blockscale.nn as bsnn
+from blockscale.distributed._collectives import all_reduce_amax
 from blockscale.distributed.fsdp import enable_quantized_all_gather
 from blockscale.integrations.titan import (
     DEFAULT_BF16_TAIL_FRACTION,
@@ -71,6 +81,7 @@ from blockscale.integrations.titan import (
     TitanPolicy,
     titan_policy,
 )
+from blockscale.ops.linear import AmaxReduction
 from blockscale.recipes import get as get_recipe
 
 NAME = "blockscale"
@@ -110,55 +121,147 @@ class UnpaddedGroupedExperts(GroupedExperts):
 
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
+# Each weight's placement on a mesh dim that splits the hidden dimension (torchtitan's
+# `TensorParallel` / `ExpertTensorParallel`): w1, w3 [E, hidden, dim] column-wise, w2
+# [E, dim, hidden] row-wise.
+HIDDEN_SHARDS = (Shard(1), Shard(2), Shard(1))
 
 
-def expert_parallel_shards(module: nn.Module) -> dict[str, torch.Tensor] | None:
-    """The local shards (`to_local()`) of `module`'s expert weights where all are DTensors
-    sharded whole experts over an "ep" mesh dim (every placement `Shard(0)`), else None."""
+@dataclass
+class ExpertShards:
+    """The local shards (`to_local()`) of an experts module's weights, and where the hidden
+    dimension is split, the amax reduction of each weight's grouped GEMM (module docstring,
+    "Tensor parallel")."""
+
+    weights: dict[str, torch.Tensor]
+    reductions: dict[str, AmaxReduction] | None = None
+
+
+def expert_shards(module: nn.Module) -> ExpertShards | None:
+    """`module`'s expert weights as `ExpertShards` where all are DTensors on one mesh whose
+    dims either split whole experts (named "ep", every weight `Shard(0)`) or split the hidden
+    dimension (one dim, `HIDDEN_SHARDS`), else None (torchtitan's own forward then runs)."""
     weights = [module._parameters.get(name) for name in EXPERT_WEIGHTS]
-    for w in weights:
-        if not isinstance(w, DTensor) or "ep" not in (w.device_mesh.mesh_dim_names or ()):
-            return None
-        if any(placement != Shard(0) for placement in w.placements):
-            return None
-    return {name: w.to_local() for name, w in zip(EXPERT_WEIGHTS, weights, strict=True)}
+    if not all(isinstance(w, DTensor) for w in weights):
+        return None
+    mesh = weights[0].device_mesh
+    if any(w.device_mesh != mesh for w in weights):
+        return None
+    names = mesh.mesh_dim_names or (None,) * mesh.ndim
+    hidden_dim = None
+    for dim, name in enumerate(names):
+        placements = tuple(w.placements[dim] for w in weights)
+        if name == "ep" and placements == (Shard(0),) * 3:
+            continue
+        if placements == HIDDEN_SHARDS and hidden_dim is None:
+            hidden_dim = dim
+            continue
+        return None
+    if hidden_dim is None and "ep" not in names:
+        return None
+    local = {name: w.to_local() for name, w in zip(EXPERT_WEIGHTS, weights, strict=True)}
+    if hidden_dim is None:
+        return ExpertShards(local)
+    check_hidden_shards(module, local, mesh.size(hidden_dim))
+    reduce = functools.partial(all_reduce_amax, group=mesh.get_group(hidden_dim))
+    column = AmaxReduction(reduce, weight=True, grad_output=True)
+    row = AmaxReduction(reduce, input=True, weight=True)
+    return ExpertShards(local, {"w1": column, "w2": row, "w3": column})
+
+
+def check_hidden_shards(module: nn.Module, local: dict[str, torch.Tensor], ranks: int) -> None:
+    """Raise a ValueError naming the rule unless each rank's slice of the hidden dimension
+    holds whole blocks of every quantized copy that runs along it: w1 / w3's rows (the
+    weights' 16x16 or 1x16-along-N copies, grad_output's row copies) and w2's columns (its
+    input's and weight's copies along K)."""
+    hidden = local["w2"].shape[2]
+    for name, gmm in module.grouped_mms.items():
+        recipe = gmm.recipe
+        if not (gmm.quantize_enabled and recipe.quantized):
+            continue
+        if name == "w2":
+            configs = [recipe.output.input, recipe.output.weight]
+        else:
+            configs = [recipe.grad_input.grad_output, recipe.grad_input.weight]
+            if recipe.output.weight.block == "16x16":
+                configs.append(recipe.output.weight)
+        block = max(c.block_size for c in configs)
+        if hidden % block:
+            raise ValueError(
+                f"{type(module).__name__} under tensor parallel over {ranks} ranks: each rank "
+                f"holds {hidden} of the experts' hidden dimension, not a multiple of {block} "
+                f"(recipe {recipe.name}: {name}'s blocks run along it and a shard must hold "
+                f"whole blocks); the hidden dimension must be a multiple of {block * ranks}"
+            )
 
 
 @contextmanager
-def _weights_bound(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
-    old = {name: module._parameters[name] for name in tensors}
-    module._parameters.update(tensors)
+def _shards_bound(module: nn.Module, shards: ExpertShards) -> Iterator[None]:
+    old = {name: module._parameters[name] for name in shards.weights}
+    module._parameters.update(shards.weights)
+    for name, reduction in (shards.reductions or {}).items():
+        module.grouped_mms[name].amax_reduction = reduction
     try:
         yield
     finally:
         module._parameters.update(old)
+        for name in shards.reductions or {}:
+            module.grouped_mms[name].amax_reduction = None
 
 
 class ExpertParallelShards:
-    """Put in front of a converted `UnpaddedGroupedExperts`' class: under expert parallelism
-    the routed forward runs on the weights' local shards, so they are quantized (module
-    docstring, "Expert parallelism")."""
+    """Put in front of a converted `UnpaddedGroupedExperts`' class: under expert or tensor
+    parallelism the routed forward runs on the weights' local shards, so they are quantized
+    (module docstring, "Expert parallelism", "Tensor parallel")."""
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        shards = expert_parallel_shards(self) if self.use_grouped_mm else None
+        shards = expert_shards(self) if self.use_grouped_mm else None
         if shards is None:
             return super().forward(x, num_tokens_per_expert)
         return _forward_on_shards(self, shards, x, num_tokens_per_expert)
 
 
 @torch.compiler.disable
-def _forward_on_shards(
-    module: nn.Module, shards: dict[str, torch.Tensor], *args: torch.Tensor
-) -> torch.Tensor:
-    # eager (torchtitan does not compile the experts under EP either): Dynamo is kept out of
-    # the module's parameter swap
-    with _weights_bound(module, shards):
+def _forward_on_shards(module: nn.Module, shards: ExpertShards, *args: torch.Tensor) -> torch.Tensor:
+    # eager (torchtitan's apply_compile leaves the experts out): Dynamo is kept out of the
+    # module's parameter swap
+    with _shards_bound(module, shards):
         return super(ExpertParallelShards, module).forward(*args)
 
 
 @functools.cache
 def _expert_parallel_class(cls: type[nn.Module]) -> type[nn.Module]:
     return type(cls.__name__, (ExpertParallelShards, cls), {"__module__": __name__})
+
+
+HELD_AT = "blockscale_grouped_mms"
+
+
+def hold_grouped_mms_at_root(model: nn.Module) -> int:
+    """Move each converted experts module's `grouped_mms` (the GroupedMM children `convert`
+    gives it) to a ModuleDict `HELD_AT` on the model, keyed by the experts' fqn (dots as
+    dashes); the experts module keeps a plain reference, which its routed forward reads.
+    torchtitan's `TensorParallel` of the experts runs its partition function on every
+    submodule of the experts module and reads `w1`, `w2`, `w3` off each, so with any child
+    module there the model cannot be parallelized; on the model the GroupedMMs are still
+    found by `model.modules()` (set_precision, the weight caches' clearing) and hold no
+    state. Returns how many experts modules were changed."""
+    moved = [
+        (fqn, module)
+        for fqn, module in model.named_modules()
+        if isinstance(module, UnpaddedGroupedExperts) and "grouped_mms" in module._modules
+    ]
+    if not moved:
+        return 0
+    held = model._modules.get(HELD_AT)
+    if held is None:
+        held = nn.ModuleDict()
+        model.add_module(HELD_AT, held)
+    for fqn, module in moved:
+        grouped_mms = module._modules.pop("grouped_mms")
+        module.__dict__["grouped_mms"] = grouped_mms
+        held[fqn.replace(".", "-")] = grouped_mms
+    return len(moved)
 
 
 def model_policy(model: nn.Module, options: Blockscale) -> TitanPolicy:
@@ -204,6 +307,7 @@ class BlockscaleConverter:
             routed = isinstance(module, UnpaddedGroupedExperts) and hasattr(module, "grouped_mms")
             if routed and not isinstance(module, ExpertParallelShards):
                 module.__class__ = _expert_parallel_class(type(module))
+        hold_grouped_mms_at_root(model)
         if not any(isinstance(m, bsnn.Linear) and m.recipe.quantized for m in model.modules()):
             return  # only experts converted: nothing to gather quantized
         reason = quantized_all_gather_reason(self.parallel_dims)
