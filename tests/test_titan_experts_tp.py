@@ -19,10 +19,13 @@ every token on each rank), against the same module on one process, fed the same 
   process's: half of w1's hidden rows (rank 1's) are scaled up 50x, so the shards' amaxes
   differ.
 
-And the whole debug model through torchtitan's own `parallelize_llama` at TP=2 (its MoE blocks
+And the whole debug model through torchtitan's own `parallelize_llama`: at TP=2 (its MoE blocks
 included): every experts module runs on its shards (the last block's in BF16, by the layer
 policy), no "not consumed" warning, logits within 2^-8 relative of one process (its BF16
-partial sums), a backward with finite gradients.
+partial sums), a backward with finite gradients; and on 4 ranks with dp_shard=2, tp=2, ep=2,
+etp=2 (`ExpertTensorParallel`: each rank pair holds 4 whole experts, each rank half their
+hidden dimension), experts converted only, forward: every experts module on its 4 local
+experts' shards, logits within 2^-8 relative of one process.
 """
 
 from __future__ import annotations
@@ -34,7 +37,15 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from test_titan_expert_parallel import EXPERTS_ONLY, RECIPE, _build, _cpu_stand_ins, _GroupedMMLog
+from test_titan_expert_parallel import (
+    BATCH,
+    EXPERTS_ONLY,
+    RECIPE,
+    _build,
+    _cpu_stand_ins,
+    _GroupedMMLog,
+    _tokens,
+)
 from test_torchtitan import build_v0_2_from, needs_v0_2
 
 from blockscale.distributed.launch import run_local
@@ -206,3 +217,53 @@ def test_a_hidden_shard_that_cuts_blocks_raises():
     local = {"w1": experts.w1[:, :24], "w2": experts.w2[:, :, :24], "w3": experts.w3[:, :24]}
     with pytest.raises(ValueError, match="multiple of 16"):
         v0_2.check_hidden_shards(experts, local, 2)
+
+
+def _expert_tensor_parallel_worker(rank: int, world_size: int) -> None:
+    """torchtitan's own parallelize with dp_shard=2, tp=2, ep=2, etp=2 on 4 ranks: the
+    experts under `ExpertTensorParallel` (a mesh ("ep", "etp"): 4 whole experts of 8 a rank
+    pair, each rank half of their hidden dimension), the rest under TP and FSDP2. Experts
+    converted only (`EXPERTS_ONLY`: the linears' amaxes would be over each rank's batch).
+    Forward only, as test_titan_expert_parallel's FSDP2 run (gloo has no PREMUL_SUM)."""
+    import torchtitan.distributed.parallel_dims as titan_parallel_dims
+    from torch.distributed.tensor import DTensor
+
+    _cpu_stand_ins()
+    titan_parallel_dims.device_type = "cpu"  # torchtitan builds its meshes on "cuda" otherwise
+    degrees = {"data_parallel_shard": 2, "tensor_parallel": 2, "expert_parallel": 2,
+               "expert_tensor_parallel": 2}  # fmt: skip
+    args = [*EXPERTS_ONLY, "--training.mixed_precision_param", "float32",
+            "--parallelism.disable_loss_parallel"]  # fmt: skip
+    for name, degree in degrees.items():
+        args += [f"--parallelism.{name}_degree", str(degree)]
+    dims = titan_parallel_dims.ParallelDims(
+        dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=2, etp=2, world_size=world_size
+    )
+    model = _build("llama4", args, dims)
+    reference = _build("llama4", args)
+    state = {
+        k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()
+    }
+    reference.load_state_dict(state)
+    experts = [m for m in model.modules() if hasattr(m, "grouped_mms")]
+    assert len(experts) == 3
+    # (held by FSDP2 over "efsdp", 1 rank; unsharded in the forward to the ("ep", "etp") mesh)
+    assert all(m.w1.device_mesh.mesh_dim_names == ("efsdp", "ep", "etp") for m in experts)
+
+    inputs, _ = _tokens(same_tokens=False)
+    mine = slice(rank // 2 * BATCH, (rank // 2 + 1) * BATCH)  # the TP pair shares a batch
+    log = _GroupedMMLog(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logits = model(inputs[mine])
+    log.close()
+    assert not [w for w in caught if "not consumed" in str(w.message)]
+    assert len(log.calls) == 9 and all(call[2] == 4 for call in log.calls)  # 4 local experts
+    assert sum(call[1] for call in log.calls) == 6  # the last block's kept BF16
+    # BF16 partial sums over the hidden halves, as in the TP model test
+    _assert_close(logits, reference(inputs)[mine], "logits", relative=2.0**-8)
+
+
+@needs_v0_2
+def test_v0_2_experts_under_titans_expert_tensor_parallel():
+    run_local(_expert_tensor_parallel_worker, 4)
