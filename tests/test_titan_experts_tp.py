@@ -93,7 +93,7 @@ def _module_worker(rank: int, world_size: int) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
     from torchtitan.distributed.expert_parallel import TensorParallel
 
-    from blockscale.integrations.titan import v0_2
+    from blockscale.distributed import tp
 
     reference, x, counts, grad = _experts_and_tokens()
     assert all(g.recipe == RECIPE for g in reference.grouped_mms.values())
@@ -112,19 +112,19 @@ def _module_worker(rank: int, world_size: int) -> None:
             calls.append(t.numel())
             return reduce_amax(t, group)
 
-        v0_2.all_reduce_amax = counted  # read when each forward binds the shards
+        tp.all_reduce_amax = counted  # read at each reduction
         try:
             log = _GroupedMMLog(experts)
             out, dx = _run(experts, x, counts, grad)
             log.close()
         finally:
-            v0_2.all_reduce_amax = real
+            tp.all_reduce_amax = real
         magnitude = out.abs()
         dist.all_reduce(out)  # w2's partial products
         dist.all_reduce(magnitude)  # |partial 0| + |partial 1|
         return experts, out, magnitude, dx, calls, log.calls
 
-    real = v0_2.all_reduce_amax
+    real = tp.all_reduce_amax
     experts, out, magnitude, dx, calls, gmm_calls = parallel(real)
     assert sorted(call[0] for call in gmm_calls) == [".w1", ".w2", ".w3"]
     assert all(quantized for _, quantized, _, _ in gmm_calls), gmm_calls

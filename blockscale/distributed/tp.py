@@ -100,6 +100,20 @@ def _blocks_along(recipe: Recipe, kind: str) -> list[tuple[int, str]]:
     ]
 
 
+def expert_reductions(group: torch.distributed.ProcessGroup) -> dict[str, AmaxReduction]:
+    """The amax reductions of experts whose hidden dimension is split over `group` (torchtitan's
+    `TensorParallel` of the experts; ops/grouped_mm.py, "Tensor parallel"), by weight: w1 and
+    w3 ([E, hidden, dim]) column-wise, their weights and grad_outputs sharded; w2
+    ([E, dim, hidden]) row-wise, its weight and input sharded. Read at each call of
+    `all_reduce_amax`, as the styles read it."""
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_amax(t, group)
+
+    column = AmaxReduction(reduce, weight=True, grad_output=True)
+    return {"w1": column, "w2": AmaxReduction(reduce, input=True, weight=True), "w3": column}
+
+
 def check_shards(module: nn.Linear, tp: int, kind: str, parts: int = 1) -> None:
     """Raise a ValueError naming the layer, the shard size and the rule unless `module`'s
     weight splits evenly over `tp` ranks into shards of whole blocks (`kind`: COLWISE shards

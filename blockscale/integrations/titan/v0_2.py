@@ -73,15 +73,14 @@ from torchtitan.models.moe.moe import GroupedExperts, _run_experts_grouped_mm
 from torchtitan.protocols.model_converter import register_model_converter
 
 import blockscale.nn as bsnn
-from blockscale.distributed._collectives import all_reduce_amax
 from blockscale.distributed.fsdp import enable_quantized_all_gather
+from blockscale.distributed.tp import expert_reductions
 from blockscale.integrations.titan import (
     DEFAULT_BF16_TAIL_FRACTION,
     DEFAULT_RECIPE,
     TitanPolicy,
     titan_policy,
 )
-from blockscale.ops.linear import AmaxReduction
 from blockscale.recipes import get as get_recipe
 
 NAME = "blockscale"
@@ -134,7 +133,7 @@ class ExpertShards:
     "Tensor parallel")."""
 
     weights: dict[str, torch.Tensor]
-    reductions: dict[str, AmaxReduction] | None = None
+    reductions: dict[str, Any] | None = None  # weight -> blockscale.ops.AmaxReduction
 
 
 def expert_shards(module: nn.Module) -> ExpertShards | None:
@@ -163,10 +162,7 @@ def expert_shards(module: nn.Module) -> ExpertShards | None:
     if hidden_dim is None:
         return ExpertShards(local)
     check_hidden_shards(module, local, mesh.size(hidden_dim))
-    reduce = functools.partial(all_reduce_amax, group=mesh.get_group(hidden_dim))
-    column = AmaxReduction(reduce, weight=True, grad_output=True)
-    row = AmaxReduction(reduce, input=True, weight=True)
-    return ExpertShards(local, {"w1": column, "w2": row, "w3": column})
+    return ExpertShards(local, expert_reductions(mesh.get_group(hidden_dim)))
 
 
 def check_hidden_shards(module: nn.Module, local: dict[str, torch.Tensor], ranks: int) -> None:
