@@ -10,7 +10,8 @@ torchtitan's debug model with a tokenizer trained on a slice of this Python's st
 library: BF16 and blockscale's NVFP4 through bench_titan's smoke run (finite losses, the
 converter's log line, the JSON), and, without `datasets` (the launcher's stand-in), a run
 stopped at a checkpoint and resumed, whose losses equal those of a run that did not stop, bit
-for bit (the data loader's position comes back).
+for bit (the data loader's position comes back). And a checkpoint moving between BF16 and NVFP4,
+both ways, on one rank and on two under FSDP2 (DCP's shards of each rank).
 """
 
 import gzip
@@ -192,10 +193,11 @@ def no_datasets(tmp_path_factory):
     return folder
 
 
-def run_trainer(titan_args, log, path_first=None):
-    """torchtitan's trainer in a process of its own, through blockscale's launcher."""
+def run_trainer(titan_args, log, path_first=None, nproc=1):
+    """torchtitan's trainer through blockscale's launcher, `nproc` gloo ranks (processes of
+    their own)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", "1", "-m", "blockscale.integrations.titan.train",
+               "--nproc_per_node", str(nproc), "-m", "blockscale.integrations.titan.train",
                *titan_args]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     path = (str(ROOT), path_first and str(path_first), env.get("PYTHONPATH"))
@@ -340,27 +342,48 @@ def test_v0_2_trainer_with_selective_activation_checkpointing(corpus, assets, tm
     assert sorted(got) == [1, 2, 3] and all(map(math.isfinite, got.values())), got
 
 
-def switches_recipe_at_a_checkpoint(titan_args, converter_args, tmp_path, no_datasets):
+def switches_recipe_at_a_checkpoint(titan_args, converter_args, tmp_path, no_datasets, nproc=1):
     """Two steps and a checkpoint with one recipe, then two more from it with the other, both
     ways: a converted model's checkpoint is a BF16 model's (the same names, shapes and dtypes),
-    and back. The loss at step 3 continues from step 2's weights either way: within 5% of the
-    run that did not switch (the recipes differ in their rounding only)."""
+    and back. The loss at step 3 continues from step 2's weights either way: within 0.5% of
+    the run that did not switch (the recipes differ in their rounding only). Every rank writes
+    its shard of the checkpoint. Returns each run's (recipe, log text, dump folder)."""
     whole = tmp_path / "whole"
-    run_trainer(titan_args(4, whole, converter_args), tmp_path / "whole.log", no_datasets)
+    run_trainer(titan_args(4, whole, converter_args), tmp_path / "whole.log", no_datasets, nproc)
     reference = losses(whole)
+    runs = [("nvfp4", (tmp_path / "whole.log").read_text(), whole)]
     for first, then in (("nvfp4", "bf16"), ("bf16", "nvfp4")):
         dump = tmp_path / f"{first}-then-{then}"
         args = {"nvfp4": converter_args, "bf16": []}
-        run_trainer(titan_args(2, dump, args[first]), tmp_path / f"{first}.log", no_datasets)
+        run_trainer(titan_args(2, dump, args[first]), tmp_path / f"{first}.log", no_datasets,
+                    nproc)  # fmt: skip
         log = tmp_path / f"{first}-{then}.log"
-        run_trainer(titan_args(4, dump, args[then]), log, no_datasets)
+        run_trainer(titan_args(4, dump, args[then]), log, no_datasets, nproc)
         assert "Loading the checkpoint" in log.read_text(), log.read_text()[-2000:]
-        for recipe, text in ((first, (tmp_path / f"{first}.log").read_text()),
-                             (then, log.read_text())):  # fmt: skip
+        shards = sorted(p.name for p in (dump / "checkpoint" / "step-2").glob("*.distcp"))
+        assert shards == [f"__{rank}_0.distcp" for rank in range(nproc)], shards
+        runs += [(first, (tmp_path / f"{first}.log").read_text(), dump),
+                 (then, log.read_text(), dump)]  # fmt: skip
+        for recipe, text, _ in runs[-2:]:
             assert ("to recipe nvfp4" in text) == (recipe == "nvfp4"), (recipe, text[-2000:])
         got = losses(dump)
         assert sorted(got) == [1, 2, 3, 4] and all(map(math.isfinite, got.values())), got
         assert abs(got[3] - reference[3]) < 0.005 * reference[3], (first, got, reference)
+    return runs
+
+
+def assert_saved_in_row_shards(dump, name, nproc):
+    """`name` stored by DCP in FP32 as `nproc` shards of whole rows, one per rank (FSDP2's
+    dim-0 shards)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(dump / "checkpoint" / "step-2")).read_metadata()
+    saved = meta.state_dict_metadata[name]
+    rows, cols = saved.size
+    boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in saved.chunks)
+    share = rows // nproc
+    assert boxes == [((r * share, 0), (share, cols)) for r in range(nproc)], (name, boxes)
+    assert saved.properties.dtype == torch.float32, saved.properties.dtype
 
 
 @needs_v0_2
@@ -380,3 +403,54 @@ def test_v0_3_checkpoint_moves_between_bf16_and_nvfp4(corpus, assets, tmp_path, 
     target = "blockscale.integrations.titan.v0_3.blockscale"
     converter = ["--override.imports", f'{target}={{"recipe": "nvfp4"}}']
     switches_recipe_at_a_checkpoint(titan_args, converter, tmp_path, no_datasets)
+
+
+FSDP_RANKS = 2
+CONVERTED_LINEAR = "layers.0.attention.wq.weight"  # converted in both versions' debug models
+
+
+@needs_v0_2
+def test_v0_2_checkpoint_moves_between_bf16_and_nvfp4_on_two_fsdp_ranks(
+    corpus, assets, tmp_path, no_datasets
+):
+    """The same on 2 gloo ranks under FSDP2 (dp_shard 2). There the converter turns on the
+    quantized all-gather (its log line, once a rank): the converted linears' weights are
+    `ShardedWeight`s, which DCP saves as each rank's FP32 rows and loads back in place, into a
+    BF16 run's plain shards too; a load that replaced them would make the nvfp4 run's first
+    forward raise (`_QuantizedGatherCheck`) rather than gather unquantized. Before the
+    launcher's SUM reductions, the first backward failed (gloo has no PREMUL_SUM)."""
+
+    def titan_args(steps, dump, recipe_args):
+        fsdp = ["--parallelism.data_parallel_shard_degree", str(FSDP_RANKS)]
+        return v0_2_args(assets, corpus, steps, dump, [*fsdp, *recipe_args])
+
+    converter = ["--model.converters", "blockscale"]
+    runs = switches_recipe_at_a_checkpoint(
+        titan_args, converter, tmp_path, no_datasets, nproc=FSDP_RANKS
+    )
+    line = "blockscale: FSDP2 all-gathers 35 linear weights quantized"
+    for recipe, text, dump in runs:
+        assert text.count(line) == FSDP_RANKS * (recipe == "nvfp4"), (recipe, text[-2000:])
+        assert_saved_in_row_shards(dump, CONVERTED_LINEAR, FSDP_RANKS)
+
+
+@needs_v0_3
+def test_v0_3_checkpoint_moves_between_bf16_and_nvfp4_on_two_fsdp_ranks(
+    corpus, assets, tmp_path, no_datasets
+):
+    """The same with 0.3.0 (whose converter leaves FSDP2's all-gather in high precision), on
+    its `partial_dtensor` backend: under its default, `spmd_types`, torch 2.13's `fully_shard`
+    refuses the plain parameters that backend makes (docs/TORCHTITAN.md)."""
+
+    def titan_args(steps, dump, recipe_args):
+        fsdp = ["--parallelism.data_parallel_shard_degree", str(FSDP_RANKS),
+                "--parallelism.spmd_backend", "partial_dtensor"]  # fmt: skip
+        return v0_3_args(assets, corpus, steps, dump, [*fsdp, *recipe_args])
+
+    target = "blockscale.integrations.titan.v0_3.blockscale"
+    converter = ["--override.imports", f'{target}={{"recipe": "nvfp4"}}']
+    runs = switches_recipe_at_a_checkpoint(
+        titan_args, converter, tmp_path, no_datasets, nproc=FSDP_RANKS
+    )
+    for _, _, dump in runs:
+        assert_saved_in_row_shards(dump, CONVERTED_LINEAR, FSDP_RANKS)

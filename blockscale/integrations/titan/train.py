@@ -25,7 +25,16 @@ function (the last item).
   `CPUDevice` below (no memory statistics: torchtitan then logs -1 GiB); torch.distributed
   then picks gloo. And 0.2.2's MoE router counts tokens with `torch.histc` on int64 indices,
   which PyTorch implements on CUDA only: on the CPU the launcher counts them from float
-  indices (the same counts, returned as int64 as CUDA returns them).
+  indices (the same counts, returned as int64 as CUDA returns them). And FSDP2 over gloo:
+  both versions turn FSDP's gradient division off after sharding (the loss is divided by the
+  global token count instead: `FSDPModule.set_gradient_divide_factor(1.0)` in 0.2.2's
+  `models/llama3/infra/parallelize.py` line 284 and 0.3.0's `distributed/fsdp.py` line 41),
+  with which torch reduce-scatters the gradients with `ReduceOp.PREMUL_SUM(1.0)`
+  (`_get_gradient_divide_factors` in torch's `fsdp/_fully_shard/_fsdp_collectives.py`), an
+  op gloo does not implement: the first backward on two CPU ranks failed ("Cannot use
+  ReduceOp.PREMUL_SUM with Gloo"). On the CPU a module given a divide factor is also set to
+  `set_force_sum_reduction_for_comms(True)`: a SUM, then a division by the factor (none for
+  1.0), the values of the sum pre-multiplied by 1.
 - torchtitan 0.3.0's trainer calls `torch.distributed.set_timeout` after its first step, a
   function torch 2.13 does not have: where it is missing, the launcher supplies torch's own
   `distributed_c10d._set_pg_timeout`, which takes the same arguments. (0.3.0 needs a torch
@@ -38,6 +47,7 @@ function (the last item).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import json
@@ -48,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -136,12 +147,24 @@ def _histc_of_float(histc: Any) -> Any:
     return counted
 
 
+def _with_sum_reductions(set_gradient_divide_factor: Any) -> Any:
+    """`FSDPModule.set_gradient_divide_factor` that also asks for SUM reductions, which gloo
+    implements (module docstring)."""
+
+    @functools.wraps(set_gradient_divide_factor)
+    def set_factor(module: FSDPModule, factor: float) -> None:
+        set_gradient_divide_factor(module, factor)
+        module.set_force_sum_reduction_for_comms(True)
+
+    return set_factor
+
+
 def run_torchtitan_on_cpu() -> None:
     """Make torchtitan pick the CPU and `CPUDevice` (module docstring): torchtitan's package
     imports `torchtitan.tools.utils`, which picks the device when imported from torch's
     `_get_available_device_type` and `_get_device_module`, and other modules copy its choice
     when they are imported; so those two answer for the CPU while the package is imported,
-    before any torchtitan module is."""
+    before any torchtitan module is. Then the router's `histc` and FSDP2's reductions."""
     if "torchtitan" in sys.modules:
         raise RuntimeError("torchtitan was imported before its device could be set to the CPU")
     saved = torch._utils._get_available_device_type, torch._utils._get_device_module
@@ -152,6 +175,9 @@ def run_torchtitan_on_cpu() -> None:
     finally:
         torch._utils._get_available_device_type, torch._utils._get_device_module = saved
     torch.histc = _histc_of_float(torch.histc)
+    FSDPModule.set_gradient_divide_factor = _with_sum_reductions(
+        FSDPModule.set_gradient_divide_factor
+    )
 
 
 class JsonlLogger:
