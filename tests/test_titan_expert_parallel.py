@@ -1,18 +1,39 @@
-"""torchtitan 0.2.2's expert parallelism on the experts blockscale's v0_2 converter converted, on
-2 CPU ranks over gloo: the debug models (DeepSeek-V3, Llama 4) built as torchtitan's trainer
-builds them (meta device, the converter, `to_empty`, `init_weights`), then torchtitan's own
-`apply_moe_ep_tp` with an EP=2 mesh "ep": each MoE layer's experts become `ExpertParallel`
+"""torchtitan's expert parallelism on the experts blockscale's converters converted, on 2 CPU
+ranks over gloo, each against the same converted model on one process fed every rank's tokens.
+
+torchtitan 0.2.2 (`v0_2`): the debug models (DeepSeek-V3, Llama 4) built as torchtitan's
+trainer builds them (meta device, the converter, `to_empty`, `init_weights`), then torchtitan's
+own `apply_moe_ep_tp` with an EP=2 mesh "ep": each MoE layer's experts become `ExpertParallel`
 modules (weights DTensors, `Shard(0)`: 4 whole experts of 8 per rank; tokens dispatched and
 combined by all-to-all with uneven splits, which gloo runs). And torchtitan's own parallelize
 with dp_shard=2, ep=2 (FSDP2 and EP), forward only.
 
-What is checked against the same converted model on one process, fed every rank's tokens:
-- quantized under EP: every converted expert weight reaches its `GroupedMM` once per forward,
-  with the rank's local experts and EP's padded token groups (torchtitan's forward alone runs
-  torch's BF16 grouped GEMM there and reaches none: the check fails without the converter's
-  `ExpertParallelShards`), and no "not consumed" warning;
-- padding: EP pads each local expert's group with zero rows (to a multiple of 8, at least 8),
-  and at least one group here is padded;
+torchtitan 0.3.0 (`v0_3`): the DeepSeek-V3 debug model, its config given EP=2 through
+`update_from_config` as the trainer gives it (the sharding configs: expert weights `Shard(0)` on
+"ep", the routed experts' all-to-all dispatch), built on the meta device, parallelized by
+torchtitan's own `Module.parallelize` (EP alone) or by its `parallelize_deepseekv3` with
+dp_shard=2, ep=2 (FSDP2 and EP, forward and backward: the launcher's SUM reductions stand in for
+the PREMUL_SUM gloo lacks, `titan.train`), then `to_empty` and `init_weights`; the one process's
+model takes its weights. 0.3's experts forward takes the weights' local shards (`to_local()`) and
+calls its `_grouped_mm` seam, which the converted experts' class overrides, so the local experts
+run blockscale's grouped GEMM with the converter as it is. Its dispatch
+(`AllToAllTokenDispatcher._permute`, plain torch) pads nothing: a local expert's group is rank
+0's tokens for it, then rank 1's, which are one process's group for that expert, row for row.
+On the `partial_dtensor` SPMD backend: 0.3's default, `spmd_types`, cannot run EP over gloo
+(its uneven all-to-all, `spmd_types/_collectives.py` line 920, passes `dist.all_to_all` lists of
+unequal tensors, which gloo refuses: "ProcessGroupGloo::alltoall: invalid tensor size"), and
+under FSDP2 torch 2.13's `fully_shard` refuses the plain parameters that backend makes
+(docs/TORCHTITAN.md).
+
+What is checked against the one process:
+- quantized under EP: every converted expert weight reaches blockscale's `GroupedMM` in every
+  forward (0.2.2: each weight's own, once; 0.3: the module's one, three times), with the rank's
+  4 local experts (torchtitan's 0.2.2 forward alone runs torch's BF16 grouped GEMM there and
+  reaches none: the check fails without the converter's `ExpertParallelShards`), and no "not
+  consumed" warning;
+- the token groups: 0.2.2's EP pads each local expert's group with zero rows (to a multiple of
+  8, at least 8), and at least one group here is padded; 0.3's are one process's groups of the
+  rank's experts, the same sizes;
 - the logits and the experts' gradients (gathered) equal one process's bit for bit: each
   expert's quantizations are its own (per-expert amaxes), EP keeps the token order within a
   group (rank 0's tokens, then rank 1's: one process's stable sort of the same batch), and
@@ -22,14 +43,15 @@ Bit equality needs two choices. The backward rounds to nearest (`nvfp4(stochasti
 False)`): stochastic rounding draws its noise per call, and the calls' shapes differ between
 the runs. And a converted linear's NVFP4 amax is over its whole input, which under EP is the
 rank's batch and on one process both ranks' batches: with different tokens per rank only the
-experts are converted (`fqns=["moe.experts"]`, the last block's kept BF16 and routed, as the
-default policy keeps it); the default policy, linears included, is compared with the same
-tokens on both ranks, where the amaxes agree.
+experts are converted (the last block's kept BF16, as the default policy keeps it); the default
+policy, linears included, is compared with the same tokens on both ranks, where the amaxes
+agree.
 
-CPU stand-ins, as tests/test_torchtitan.py's: torch.histc counts int64 expert indices on CUDA
-only (counted from floats here, returned as int64 as CUDA returns them: EP all-to-alls the
-counts and splits by their sums), and EP's dispatch computes its padded permutation with a
-Triton kernel on CUDA (torchtitan's own CPU version here, `use_cpu=True`).
+CPU stand-ins for 0.2.2, as tests/test_torchtitan.py's: torch.histc counts int64 expert indices
+on CUDA only (counted from floats here, returned as int64 as CUDA returns them: EP all-to-alls
+the counts and splits by their sums), and EP's dispatch computes its padded permutation with a
+Triton kernel on CUDA (torchtitan's own CPU version here, `use_cpu=True`). 0.3 needs none beyond
+the launcher's (`run_torchtitan_on_cpu`: torchtitan's device the CPU, FSDP2's SUM reductions).
 """
 
 from __future__ import annotations
@@ -41,15 +63,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from test_torchtitan import build_v0_2_from, needs_v0_2
+from test_torchtitan import build_v0_2_from, build_v0_3, needs_v0_2, needs_v0_3
 
 import blockscale as bs
+import blockscale.nn as bsnn
 from blockscale.distributed.launch import run_local
 
 WORLD = 2
 BATCH, LENGTH = 2, 32  # per rank
 RECIPE = bs.recipes.nvfp4(stochastic_rounding=False)
 EXPERTS_ONLY = ["--blockscale.fqns", "moe.experts", "--blockscale.bf16_fqns", "layers.5."]
+EXPERTS_ONLY_V0_3 = {"fqns": ["moe.routed_experts"], "bf16_fqns": ["layers.5."]}
+WEIGHTS_V0_2 = ("w1", "w2", "w3")
+WEIGHTS_V0_3 = ("w1_EFD", "w2_EDF", "w3_EFD")
 
 
 def _cpu_stand_ins() -> None:
@@ -79,16 +105,27 @@ def _build(name: str, args: list[str], parallel_dims: Any = None) -> torch.nn.Mo
     return build_v0_2_from(spec, job_config, parallel_dims, converters=round_to_nearest)
 
 
+def _grouped_mms(model: torch.nn.Module):
+    """(name, GroupedMM) of each converted experts module, of either version: 0.2.2's one per
+    weight (`grouped_mms`, named `<experts>.w1`, ...), 0.3's one for the three (`grouped_mm`,
+    named `<experts>`)."""
+    for fqn, module in model.named_modules():
+        for weight, gmm in getattr(module, "grouped_mms", {}).items():
+            yield f"{fqn}.{weight}", gmm
+        gmm = getattr(module, "grouped_mm", None)
+        if isinstance(gmm, bsnn.GroupedMM):
+            yield fqn, gmm
+
+
 class _GroupedMMLog:
-    """Forward hooks on every experts module's GroupedMMs: (fqn, weight, recipe, E, group
-    sizes) per call."""
+    """Forward hooks on every converted experts module's GroupedMMs: (name, quantized, E,
+    group sizes) per call."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.calls = []
         self.handles = [
-            gmm.register_forward_hook(functools.partial(self._log, f"{fqn}.{weight}", gmm))
-            for fqn, module in model.named_modules()
-            for weight, gmm in getattr(module, "grouped_mms", {}).items()
+            gmm.register_forward_hook(functools.partial(self._log, name, gmm))
+            for name, gmm in _grouped_mms(model)
         ]
 
     def _log(self, name, gmm, module, args, output):
@@ -103,6 +140,51 @@ class _GroupedMMLog:
 
 def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+
+
+def _tokens(same_tokens: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's batch (rank r's: rows [r*BATCH, (r+1)*BATCH)): inputs and labels."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 2048, (WORLD * BATCH, LENGTH + 1), generator=gen)
+    if same_tokens:
+        tokens[BATCH:] = tokens[:BATCH].repeat(WORLD - 1, 1)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _step_equals_one_process(
+    model: torch.nn.Module,
+    reference: torch.nn.Module,
+    rank: int,
+    same_tokens: bool,
+    experts: dict[str, torch.nn.Module],
+    weights: tuple[str, ...],
+    name: str,
+) -> tuple[list, list]:
+    """A forward and backward of `model` on this rank's tokens and of `reference` (one process)
+    on every rank's, their grouped GEMMs logged: the same logits, and the same gradients of
+    `experts`' `weights` (gathered), bit for bit. Returns both logs' calls."""
+    inputs, labels = _tokens(same_tokens)
+    mine = slice(rank * BATCH, (rank + 1) * BATCH)
+    log = _GroupedMMLog(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logits = model(inputs[mine])
+        _loss(logits, labels[mine]).backward()
+    log.close()
+    assert not [w for w in caught if "not consumed" in str(w.message)], name
+    ref_log = _GroupedMMLog(reference)
+    expected_logits = reference(inputs)
+    _loss(expected_logits, labels).backward()
+    ref_log.close()
+
+    assert torch.equal(logits, expected_logits[mine]), name
+    for fqn, module in experts.items():
+        for w in weights:
+            grad = getattr(module, w).grad.full_tensor()  # the same order on every rank
+            assert torch.isfinite(grad).all() and grad.abs().sum() > 0, (name, fqn, w)
+            expected_grad = reference.get_submodule(fqn).get_parameter(w).grad
+            assert torch.equal(grad, expected_grad), (name, fqn, w)
+    return log.calls, ref_log.calls
 
 
 def _ep_worker(rank: int, world_size: int, names: list[str], args: list[str], same: bool) -> None:
@@ -130,51 +212,27 @@ def _compare(rank: int, world_size: int, name: str, args: list[str], same_tokens
         assert isinstance(module.w1, DTensor) and module.w1.placements == (Shard(0),)
         assert module.w1.to_local().shape[0] == n_experts // world_size
 
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 2048, (world_size * BATCH, LENGTH + 1), generator=gen)
-    if same_tokens:
-        tokens[BATCH:] = tokens[:BATCH].repeat(world_size - 1, 1)
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    mine = slice(rank * BATCH, (rank + 1) * BATCH)
-
-    log = _GroupedMMLog(model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        logits = model(inputs[mine])
-        _loss(logits, labels[mine]).backward()
-    log.close()
-    assert not [w for w in caught if "not consumed" in str(w.message)], name
+    calls, ref_calls = _step_equals_one_process(
+        model, reference, rank, same_tokens, experts, WEIGHTS_V0_2, name
+    )
     # every converted weight of every experts module, once, on this rank's 4 experts
-    expected = sorted(f"{fqn}.{w}" for fqn in experts for w in ("w1", "w2", "w3"))
-    assert sorted(call[0] for call in log.calls) == expected, name
+    expected = sorted(f"{fqn}.{w}" for fqn in experts for w in WEIGHTS_V0_2)
+    assert sorted(call[0] for call in calls) == expected, name
     # quantized: all but the last block's (BF16, routed to torch's grouped GEMM)
-    quantized = sorted(call[0] for call in log.calls if call[1])
+    quantized = sorted(call[0] for call in calls if call[1])
     assert quantized == [fqn for fqn in expected if not fqn.startswith("layers.5.")], name
-    assert all(call[2] == n_experts // world_size for call in log.calls)
+    assert all(call[2] == n_experts // world_size for call in calls)
     # EP's padded groups reached the grouped GEMM as they are
-    assert all(s >= 8 and s % 8 == 0 for call in log.calls for s in call[3]), log.calls
-
-    ref_log = _GroupedMMLog(reference)
-    expected_logits = reference(inputs)
-    _loss(expected_logits, labels).backward()
-    ref_log.close()
+    assert all(s >= 8 and s % 8 == 0 for call in calls for s in call[3]), calls
     # some group held zero rows under EP (a local expert's tokens, padded): one process's
     # groups are the same tokens unpadded
-    ref_sizes = {call[0]: call[3] for call in ref_log.calls}
+    ref_sizes = {call[0]: call[3] for call in ref_calls}
     padded = [
         ep_size > ref_size
-        for fqn, _, _, sizes in log.calls
+        for fqn, _, _, sizes in calls
         for ep_size, ref_size in zip(sizes, ref_sizes[fqn][rank * len(sizes) :], strict=False)
     ]
     assert any(padded), name
-
-    assert torch.equal(logits, expected_logits[mine]), name
-    for fqn, module in experts.items():
-        for w in ("w1", "w2", "w3"):
-            grad = getattr(module, w).grad.full_tensor()  # the same order on every rank
-            assert torch.isfinite(grad).all() and grad.abs().sum() > 0, (name, fqn, w)
-            expected_grad = reference.get_submodule(fqn).get_parameter(w).grad
-            assert torch.equal(grad, expected_grad), (name, fqn, w)
 
 
 @needs_v0_2
@@ -216,21 +274,143 @@ def _titan_parallelize_worker(rank: int, world_size: int) -> None:
     }
     reference.load_state_dict(state)
 
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 2048, (world_size * BATCH, LENGTH), generator=gen)
+    inputs, _ = _tokens(same_tokens=False)
     mine = slice(rank * BATCH, (rank + 1) * BATCH)
     log = _GroupedMMLog(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        logits = model(tokens[mine])
+        logits = model(inputs[mine])
     log.close()
     assert not [w for w in caught if "not consumed" in str(w.message)]
     assert len(log.calls) == 15  # 5 experts modules, 3 weights each, this rank's 4 experts
     assert all(call[2] == 4 for call in log.calls)
     assert sum(call[1] for call in log.calls) == 12  # all but the last block's quantized
-    assert torch.equal(logits, reference(tokens)[mine])
+    assert torch.equal(logits, reference(inputs)[mine])
 
 
 @needs_v0_2
 def test_v0_2_experts_quantized_under_titans_parallelize_with_fsdp_and_ep():
     run_local(_titan_parallelize_worker, WORLD)
+
+
+# torchtitan 0.3.0
+
+
+def _v0_3_parallelism(world_size: int) -> tuple[Any, Any]:
+    """0.3's parallelism config with EP over all ranks (on the dp_shard ranks, as its meshes
+    require: dp_shard * cp * tp == efsdp * ep) on the `partial_dtensor` backend (module
+    docstring), and its parallel dims, in a rank that has not imported torchtitan yet: the
+    launcher points torchtitan at the CPU first, as for its trainer."""
+    from blockscale.integrations.titan.train import run_torchtitan_on_cpu
+
+    run_torchtitan_on_cpu()
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    parallelism = ParallelismConfig(
+        data_parallel_shard_degree=world_size,
+        expert_parallel_degree=world_size,
+        spmd_backend="partial_dtensor",
+    )
+    set_spmd_backend(parallelism.spmd_backend)  # what the trainer does
+    dims = ParallelDims.from_config(parallelism, world_size)
+    dims.build_mesh()
+    return parallelism, dims
+
+
+def _build_v0_3(options: dict, parallelism: Any = None, parallelize: Any = None) -> Any:
+    """The DeepSeek-V3 debug model converted to NVFP4 by the 0.3 converter with `options`, its
+    quantized layers then rounding to nearest (module docstring)."""
+    from blockscale.integrations.titan.v0_3 import BlockscaleConverter
+
+    converter = BlockscaleConverter.Config(recipe="nvfp4", **options)
+    model = build_v0_3("deepseek_v3", "debugmodel", converter, parallelism=parallelism,
+                       parallelize=parallelize)  # fmt: skip
+    for module in model.modules():
+        if isinstance(module, bsnn.Linear | bsnn.GroupedMM) and module.recipe.quantized:
+            module.recipe = RECIPE
+    return model
+
+
+def _v0_3_against_one_process(rank: int, model: Any, options: dict, same_tokens: bool) -> None:
+    """`model` (parallelized with EP=2) against one process's model with its weights: every
+    experts module's weights on the "ep" dim, the converted ones quantized on the rank's 4
+    experts, in one process's token groups; the same logits and expert gradients."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torchtitan.models.common.moe import GroupedExperts
+
+    reference = _build_v0_3(options)
+    reference.load_state_dict(
+        {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    )
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, GroupedExperts)}
+    converted = [n for n, m in experts.items() if hasattr(m, "grouped_mm")]
+    assert len(experts) == 5 and len(converted) == 4, (list(experts), converted)  # not layers.5
+    local = reference.get_submodule(converted[0]).num_experts // WORLD
+    for module in experts.values():
+        w1 = module.w1_EFD
+        assert isinstance(w1, DTensor) and w1.placements[-1] == Shard(0), w1
+        assert w1.device_mesh.mesh_dim_names[-1] == "ep" and w1.to_local().shape[0] == local
+
+    calls, ref_calls = _step_equals_one_process(
+        model, reference, rank, same_tokens, experts, WEIGHTS_V0_3, "deepseek_v3"
+    )
+    # the converted modules' GroupedMM, for w1, w3 and w2, quantized, on the local experts
+    assert sorted(call[0] for call in calls) == sorted(converted * 3), calls
+    assert all(call[1] and call[2] == local for call in calls), calls
+    # groups unpadded: one process's groups of this rank's experts (which hold tokens)
+    ref_sizes = {call[0]: call[3] for call in ref_calls}
+    for fqn, _, _, sizes in calls:
+        assert sizes == ref_sizes[fqn][rank * local : (rank + 1) * local], (fqn, sizes)
+        assert sum(sizes) > 0
+
+
+def _v0_3_ep_worker(rank: int, world_size: int, options: dict, same_tokens: bool) -> None:
+    """torchtitan's `Module.parallelize` (EP alone: the dense weights stay whole tensors)."""
+    parallelism, dims = _v0_3_parallelism(world_size)
+
+    def parallelize(model):
+        model.parallelize(dims)
+        return model
+
+    model = _build_v0_3(options, parallelism, parallelize)
+    _v0_3_against_one_process(rank, model, options, same_tokens)
+
+
+@needs_v0_3
+def test_v0_3_experts_are_quantized_under_expert_parallelism_and_match_one_process():
+    """DeepSeek-V3, experts converted (the last block's kept BF16), each rank its own tokens."""
+    run_local(_v0_3_ep_worker, WORLD, EXPERTS_ONLY_V0_3, False)
+
+
+@needs_v0_3
+def test_v0_3_default_policy_under_expert_parallelism_matches_one_process():
+    """DeepSeek-V3 with the default policy (linears converted too), the same tokens on both
+    ranks (module docstring)."""
+    run_local(_v0_3_ep_worker, WORLD, {}, True)
+
+
+def _v0_3_titan_parallelize_worker(rank: int, world_size: int) -> None:
+    """torchtitan's own `parallelize_deepseekv3` with dp_shard=2, ep=2: EP, then FSDP2 over the
+    blocks (its experts over an "efsdp" dim of 1), FP32 parameters (no mixed-precision cast);
+    forward and backward."""
+    parallelism, dims = _v0_3_parallelism(world_size)  # before torchtitan's first import
+    from torchtitan.config import CompileConfig, TrainingConfig
+    from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
+
+    training = TrainingConfig(mixed_precision_param="float32")
+
+    def parallelize(model):
+        return parallelize_deepseekv3(
+            model, parallel_dims=dims, training=training, parallelism=parallelism,
+            compile_config=CompileConfig(), ac_config=None, dump_folder="",
+        )  # fmt: skip
+
+    model = _build_v0_3(EXPERTS_ONLY_V0_3, parallelism, parallelize)
+    _v0_3_against_one_process(rank, model, EXPERTS_ONLY_V0_3, False)
+
+
+@needs_v0_3
+def test_v0_3_experts_quantized_under_titans_parallelize_with_fsdp_and_ep():
+    run_local(_v0_3_titan_parallelize_worker, WORLD)

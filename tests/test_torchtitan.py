@@ -119,10 +119,14 @@ def test_titan_policy_names():
 MODELS_V0_3 = [("deepseek_v3", "debugmodel"), ("qwen3", "debugmodel_moe"), ("llama3", "debugmodel")]
 
 
-def build_v0_3(name, flavor, converter=None, seed=0):
+def build_v0_3(name, flavor, converter=None, seed=0, parallelism=None, parallelize=None):
     """torchtitan's model, built as its trainer builds it, with SDPA in place of FlexAttention
-    (whose backward PyTorch does not implement on the CPU; attention is not under test)."""
+    (whose backward PyTorch does not implement on the CPU; attention is not under test).
+    As the trainer, where given: the model config's `update_from_config` with `parallelism` (a
+    `ParallelismConfig`; it sets the modules' sharding configs), and `parallelize(model)` on
+    the meta model (the distributed tests)."""
     import importlib
+    from types import SimpleNamespace
 
     from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 
@@ -130,9 +134,13 @@ def build_v0_3(name, flavor, converter=None, seed=0):
     config = registry(flavor, converters=None if converter is None else [converter]).model
     for _, _, parent, attr in list(config.traverse(FlexAttention.Config)):
         setattr(parent, attr, ScaledDotProductAttention.Config())
+    if parallelism is not None:
+        config.update_from_config(config=SimpleNamespace(parallelism=parallelism))
     with torch.device("meta"):
         model = config.build()
     model.verify_module_protocol()  # what the trainer checks of every submodule
+    if parallelize is not None:
+        model = parallelize(model)
     model.to_empty(device="cpu")
     torch.manual_seed(seed)
     with torch.no_grad():

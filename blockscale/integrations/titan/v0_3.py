@@ -22,14 +22,22 @@ What it builds are torchtitan `Module`s, as the trainer requires of every submod
 Layers whose dims do not fit the recipe's blocks stay as they are, with a warning, as in
 `convert`.
 
+Expert parallelism needs nothing more: 0.3's experts forward takes the weights' local shards
+(`to_local()` of the DTensors EP makes, `Shard(0)` on "ep") and calls the `_grouped_mm` seam,
+so each rank's experts run blockscale's grouped GEMM, on the token groups EP's all-to-all
+dispatch lays out (unpadded: one process's group of each local expert, row for row; tested
+bit for bit against one process in tests/test_titan_expert_parallel.py).
+
 Not done in 0.3: FSDP2's quantized all-gather (`enable_quantized_all_gather`, which the 0.2.2
 converter turns on). A 0.3 converter sees the model config only, before the build: never the
 built model nor the parallel dims, and nothing of torchtitan calls it after the build. Wrapping
 the weight in `BlockscaleLinear`'s constructor would not know whether FSDP2 follows, nor how:
-0.3's default `spmd_backend` ("spmd_types") first makes every parameter a DTensor on the whole
-mesh and hands those to `fully_shard`, a path the quantized all-gather was never run on. So
-under 0.3 FSDP2 gathers the converted linears' weights in torchtitan's mixed-precision dtype,
-and each layer quantizes its gathered weight, as without FSDP (the `convert` log says so).
+0.3's default `spmd_backend` ("spmd_types") makes every parameter a local tensor with SPMD type
+annotations and hands those to `fully_shard` with the mesh's data-parallel dims (which torch
+2.13's `fully_shard` refuses: docs/TORCHTITAN.md), a path the quantized all-gather was never
+run on. So under 0.3 FSDP2 gathers the converted linears' weights in torchtitan's
+mixed-precision dtype, and each layer quantizes its gathered weight, as without FSDP (the
+`convert` log says so).
 """
 
 from __future__ import annotations
