@@ -23,10 +23,9 @@ as the forward's copy, one read of the weights, where the forward keeps it); gra
 copies are made in the backward. The weights' grad_input operand is rebuilt in the backward from
 weight_t itself, which is saved as a reference (linear's "Memory": the same bits, no packed
 copy kept, each expert scaled with the forward copy's amax), under the same conditions as
-`linear` (`recomputes_weight`), under torch.compile too where the weights are a parameter or a
-view of one (`weight_is_leaf`): otherwise, for a stochastic weight config or weights computed
-in the forward (models/moe.py's BF16 cast of FP32 experts, torchtitan's `.bfloat16()` of FP32
-experts), the forward's packed copy is saved. Nothing in high precision is kept beyond
+`linear` (`recomputes_weight`) except under torch.compile: otherwise, for a stochastic weight
+config, weights computed in the forward (models/moe.py's BF16 cast of FP32 experts) or a
+traced step, the forward's packed copy is saved. Nothing in high precision is kept beyond
 that reference. With a `weight_cache` (ops/weight_cache.py; every `GroupedMM` has one) the
 experts' copies are made once per optimizer step and reused, as for `linear`.
 
@@ -162,18 +161,6 @@ def check_grouped_inputs(input: torch.Tensor, weight_t: torch.Tensor, offs: torc
     torch._assert_async(ok, f"grouped_mm: offs must be non-decreasing and lie in [0, M={m}]")
 
 
-def weight_is_leaf(weight_t: torch.Tensor, source: torch.Tensor | None) -> bool:
-    """Whether `weight_t` is a leaf (a parameter) or a view of one, or a view of `source`
-    (`grouped_mm`'s `weight_source`, the parameter it was computed from): storage that
-    outlives the step, so saving it for the backward's rebuild costs nothing. Read before the
-    autograd Function, where a trace still sees the views: a BF16 parameter's `.bfloat16()` is
-    the parameter itself, an FP32 one's a cast, no view. Under the converted experts'
-    `nonstrict_trace` a parameter's stand-in is no leaf (it has a grad_fn), so there the router's
-    `source` tells it."""
-    base = weight_t if weight_t._base is None else weight_t._base
-    return base.is_leaf or base is source
-
-
 def _dgrad_weight(
     weight_t: torch.Tensor,
     recipe: Recipe,
@@ -241,7 +228,6 @@ class _GroupedMM(torch.autograd.Function):
         out_dtype: torch.dtype,
         cache: WeightCache | None,
         stamp: Stamp | None,
-        leaf_weight: bool,
         sharded: AmaxReduction | None,
     ) -> torch.Tensor:
         weight = weight_t.transpose(-2, -1)  # [E, N, K], usually the parameter itself
@@ -269,10 +255,9 @@ class _GroupedMM(torch.autograd.Function):
                 input, offs, layout, recipe.output.input, wgrad_cfg, codes=codes,
                 amax=tuple(x_amax),
             )  # fmt: skip
-            # under a trace, only from a view of a leaf (`weight_is_leaf`): compiled, the
-            # experts' weights are usually a cast made in the forward
+            # not under a trace: compiled, the experts' weights are usually a forward-made cast
             ctx.recompute = ctx.needs_input_grad[0] and recomputes_weight(
-                weight_t, dgrad_cfg, under_trace=leaf_weight
+                weight_t, dgrad_cfg, under_trace=False
             )
 
             # The forward's weight copy needs its codes only where something keeps it: the
@@ -334,7 +319,7 @@ class _GroupedMM(torch.autograd.Function):
             grads = _GroupedMMBackward.apply(grad_output, weight_t, anchor, ctx, saved)
         else:
             grads = _backward_gemms(ctx, grad_output, saved)
-        return (*grads, None, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def _backward_gemms(
@@ -530,9 +515,8 @@ def grouped_mm(
     try:
         stamp = None if weight_cache is None else weight_cache.stamp(weight_t, weight_source)
         cache = None if stamp is None else weight_cache
-        leaf = weight_is_leaf(weight_t, weight_source)
         return _GroupedMM.apply(
-            input, weight_t, offs, recipe, backend, dtype, cache, stamp, leaf, amax_reduction
+            input, weight_t, offs, recipe, backend, dtype, cache, stamp, amax_reduction
         )
     finally:
         exit_forward()

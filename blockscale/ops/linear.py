@@ -271,8 +271,7 @@ def recomputes_weight(
     left to the compiler: what a compiled graph keeps for its backward is chosen by
     AOTAutograd's partitioner, not by what the Function saves (and traced inputs have no
     autograd history to read it from), and `under_trace` is the answer there. linear's weights
-    are graph inputs, so True; grouped_mm passes whether the experts' weights are a view of a
-    parameter (`weight_is_leaf`, read before its autograd Function), because they often reach
+    are graph inputs, so True; grouped_mm passes False, because experts' weights usually reach
     it as a cast made in the forward, which a compiled backward rebuilding from it kept alive
     (measured on an H100, compiled MoE layer: nvfp4 peak 0.93x -> 1.41x BF16's,
     docs/TRAINING.md)."""
