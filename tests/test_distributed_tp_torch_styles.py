@@ -52,7 +52,7 @@ from test_distributed_tp import (
     compile_worker,
     counting_all_reduce,
 )
-from test_torchtitan import build_v0_2_from, needs_v0_2
+from test_torchtitan import build_v0_2_from, copy_whole_into, needs_v0_2, unwrapped
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
@@ -254,20 +254,10 @@ def _titan_tp_worker(rank: int, world_size: int) -> None:
         for parallel_dims in (dims, None)
     )
 
-    def unwrapped(name: str) -> str:  # activation checkpointing's wrapper, in the TP model
-        return name.replace("._checkpoint_wrapped_module", "")
-
     linears = [m for m in parallel.modules() if isinstance(m, bs.nn.Linear) and m.recipe.quantized]
     assert len(linears) == 35  # 7 a block, the last block kept in BF16 by the policy
     assert all(type(m) is bs.nn.Linear and isinstance(m.weight, DTensor) for m in linears)
-    # The reference's weights: torchtitan's init of a DTensor on CPU ranks draws each shard
-    # from the same seed, which would make the shards (and their amaxes) equal.
-    with torch.no_grad():
-        for name, p in parallel.named_parameters():
-            whole = reference.get_parameter(unwrapped(name))
-            if isinstance(p, DTensor):
-                whole = distribute_tensor(whole, p.device_mesh, p.placements)
-            p.copy_(whole)
+    copy_whole_into(parallel, reference)
 
     outputs = {}
     for key, model in (("parallel", parallel), ("reference", reference)):

@@ -1212,6 +1212,7 @@ def test_grouped_amax_is_the_quantizers_own(kernels, monkeypatch):
     # what is written: the row copy's rows up to offs[-1], the token copy's positions up to
     # the last segment's end (the kernels leave the rest unwritten, formats/grouped.py)
     end, seg_end = int(offs[-1]), int(layout.seg_ends[-1])
+
     def written(op, copy):
         if copy == 0:
             return op.data[:end], op.scale[:end]
@@ -1249,6 +1250,7 @@ def test_grouped_mm_with_whole_operands_is_unchanged_by_the_reduction(name):
         results.append((out, xi.grad, wi.grad))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
     # one [4] amax for each NVFP4 operand copy: forward, the input's row and token copies and
     # the weights (one for both weight copies); backward, grad_output's row and token copies
     def nvfp4(*configs):

@@ -59,6 +59,8 @@ from __future__ import annotations
 import functools
 import importlib
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -138,6 +140,18 @@ class _GroupedMMLog:
             handle.remove()
 
 
+@contextmanager
+def _consumed(model: torch.nn.Module) -> Iterator[_GroupedMMLog]:
+    """`model`'s grouped GEMMs logged while entered (the log is yielded); on exit, that no
+    converted experts module warned its weights went unconsumed (ran unquantized)."""
+    log = _GroupedMMLog(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield log
+    log.close()
+    assert not [w for w in caught if "not consumed" in str(w.message)]
+
+
 def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
 
@@ -165,13 +179,9 @@ def _step_equals_one_process(
     `experts`' `weights` (gathered), bit for bit. Returns both logs' calls."""
     inputs, labels = _tokens(same_tokens)
     mine = slice(rank * BATCH, (rank + 1) * BATCH)
-    log = _GroupedMMLog(model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with _consumed(model) as log:
         logits = model(inputs[mine])
         _loss(logits, labels[mine]).backward()
-    log.close()
-    assert not [w for w in caught if "not consumed" in str(w.message)], name
     ref_log = _GroupedMMLog(reference)
     expected_logits = reference(inputs)
     _loss(expected_logits, labels).backward()
@@ -276,12 +286,8 @@ def _titan_parallelize_worker(rank: int, world_size: int) -> None:
 
     inputs, _ = _tokens(same_tokens=False)
     mine = slice(rank * BATCH, (rank + 1) * BATCH)
-    log = _GroupedMMLog(model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with _consumed(model) as log:
         logits = model(inputs[mine])
-    log.close()
-    assert not [w for w in caught if "not consumed" in str(w.message)]
     assert len(log.calls) == 15  # 5 experts modules, 3 weights each, this rank's 4 experts
     assert all(call[2] == 4 for call in log.calls)
     assert sum(call[1] for call in log.calls) == 12  # all but the last block's quantized

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import warnings
 
 import pytest
 import torch
@@ -42,11 +41,11 @@ from test_titan_expert_parallel import (
     EXPERTS_ONLY,
     RECIPE,
     _build,
+    _consumed,
     _cpu_stand_ins,
-    _GroupedMMLog,
     _tokens,
 )
-from test_torchtitan import build_v0_2_from, needs_v0_2
+from test_torchtitan import build_v0_2_from, copy_whole_into, needs_v0_2
 
 from blockscale.distributed.launch import run_local
 
@@ -74,12 +73,10 @@ def _experts_and_tokens():
 
 def _run(experts, x, counts, grad):
     x = x.clone().requires_grad_()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with _consumed(experts) as log:
         out = experts(x, counts)
         out.backward(grad)
-    assert not [w for w in caught if "not consumed" in str(w.message)]
-    return out.detach(), x.grad
+    return out.detach(), x.grad, log.calls
 
 
 def _assert_close(got, want, what, relative=1e-5):
@@ -97,7 +94,7 @@ def _module_worker(rank: int, world_size: int) -> None:
 
     reference, x, counts, grad = _experts_and_tokens()
     assert all(g.recipe == RECIPE for g in reference.grouped_mms.values())
-    want, want_dx = _run(reference, x, counts, grad)
+    want, want_dx, _ = _run(reference, x, counts, grad)
     hidden = reference.w1.shape[1]
     rows = slice(rank * hidden // world_size, (rank + 1) * hidden // world_size)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
@@ -114,15 +111,13 @@ def _module_worker(rank: int, world_size: int) -> None:
 
         tp.all_reduce_amax = counted  # read at each reduction
         try:
-            log = _GroupedMMLog(experts)
-            out, dx = _run(experts, x, counts, grad)
-            log.close()
+            out, dx, gmm_calls = _run(experts, x, counts, grad)
         finally:
             tp.all_reduce_amax = real
         magnitude = out.abs()
         dist.all_reduce(out)  # w2's partial products
         dist.all_reduce(magnitude)  # |partial 0| + |partial 1|
-        return experts, out, magnitude, dx, calls, log.calls
+        return experts, out, magnitude, dx, calls, gmm_calls
 
     real = tp.all_reduce_amax
     experts, out, magnitude, dx, calls, gmm_calls = parallel(real)
@@ -156,7 +151,7 @@ def test_v0_2_experts_under_titans_tensor_parallel_match_one_process():
 
 def _model_worker(rank: int, world_size: int) -> None:
     import torchtitan.distributed.parallel_dims as titan_parallel_dims
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
     from torchtitan.config import ConfigManager
 
     from blockscale.integrations.titan.v0_2 import ExpertParallelShards
@@ -171,28 +166,14 @@ def _model_worker(rank: int, world_size: int) -> None:
         dp_replicate=1, dp_shard=1, cp=1, tp=world_size, pp=1, ep=1, etp=1, world_size=world_size
     )
     parallel, reference = (build_v0_2_from(spec, job_config, d) for d in (dims, None))
-
-    def unwrapped(name: str) -> str:  # activation checkpointing's wrapper, in the TP model
-        return name.replace("._checkpoint_wrapped_module", "")
-
-    # torchtitan's init of a DTensor on CPU ranks draws each shard from the same seed
-    with torch.no_grad():
-        for name, p in parallel.named_parameters():
-            whole = reference.get_parameter(unwrapped(name))
-            if isinstance(p, DTensor):
-                whole = distribute_tensor(whole, p.device_mesh, p.placements)
-            p.copy_(whole)
+    copy_whole_into(parallel, reference)
     experts = [m for m in parallel.modules() if isinstance(m, ExpertParallelShards)]
     assert len(experts) == 3 and all(isinstance(m.w1, DTensor) for m in experts), len(experts)
 
     tokens = torch.randint(0, 2048, (2, 65), generator=torch.Generator().manual_seed(0))
     want = reference(tokens[:, :-1]).detach()
-    log = _GroupedMMLog(parallel)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with _consumed(parallel) as log:
         logits = parallel(tokens[:, :-1])
-    log.close()
-    assert not [w for w in caught if "not consumed" in str(w.message)]
     assert len(log.calls) == 9  # 3 experts modules (every other block) x 3 weights, local shards
     assert sum(call[1] for call in log.calls) == 6  # the last block's kept BF16 (policy)
     # the experts' partial outputs are rounded to BF16 on each rank (see the module test), and
@@ -252,12 +233,8 @@ def _expert_tensor_parallel_worker(rank: int, world_size: int) -> None:
 
     inputs, _ = _tokens(same_tokens=False)
     mine = slice(rank // 2 * BATCH, (rank // 2 + 1) * BATCH)  # the TP pair shares a batch
-    log = _GroupedMMLog(model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with _consumed(model) as log:
         logits = model(inputs[mine])
-    log.close()
-    assert not [w for w in caught if "not consumed" in str(w.message)]
     assert len(log.calls) == 9 and all(call[2] == 4 for call in log.calls)  # 4 local experts
     assert sum(call[1] for call in log.calls) == 6  # the last block's kept BF16
     # BF16 partial sums over the hidden halves, as in the TP model test

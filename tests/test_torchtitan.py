@@ -271,6 +271,25 @@ def build_v0_2(name, args=(), seed=0, convert=True):
     return build_v0_2_from(spec, job_config, seed=seed, convert=convert)
 
 
+def unwrapped(name: str) -> str:
+    """A parameter's name without activation checkpointing's wrapper (in parallelized models)."""
+    return name.replace("._checkpoint_wrapped_module", "")
+
+
+def copy_whole_into(parallel, reference) -> None:
+    """The one-process `reference`'s weights into the parallelized `parallel`, each DTensor
+    given its shard: torchtitan's init of a DTensor on CPU ranks draws each shard from the same
+    seed, which would make the shards (and their amaxes) equal."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for name, p in parallel.named_parameters():
+            whole = reference.get_parameter(unwrapped(name))
+            if isinstance(p, DTensor):
+                whole = distribute_tensor(whole, p.device_mesh, p.placements)
+            p.copy_(whole)
+
+
 def build_v0_2_from(
     spec, job_config, parallel_dims=None, seed=0, convert=True, configure=None, converters=None
 ):

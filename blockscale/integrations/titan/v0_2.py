@@ -218,7 +218,9 @@ class ExpertParallelShards:
 
 
 @torch.compiler.disable
-def _forward_on_shards(module: nn.Module, shards: ExpertShards, *args: torch.Tensor) -> torch.Tensor:
+def _forward_on_shards(
+    module: nn.Module, shards: ExpertShards, *args: torch.Tensor
+) -> torch.Tensor:
     # eager (torchtitan's apply_compile leaves the experts out): Dynamo is kept out of the
     # module's parameter swap
     with _shards_bound(module, shards):
