@@ -41,6 +41,12 @@ Modes:
   each recipe's loss curve (every step, in the JSON), and the table's loss_end
   (the mean of the last `--tail` steps' losses) and loss_vs_bf16.
 
+Several runs at once (`--parallel N`): up to N runs go at a time, each in its own process; on
+CUDA each run sees one GPU (`CUDA_VISIBLE_DEVICES`), one no other run holds while it trains, so
+on a machine of N GPUs N recipes train at once (a convergence table in one call). BF16's seeds
+(`--bf16-seeds 0,1`): a BF16 run for each, the first the baseline of the ratios, so a later
+seed's loss_vs_bf16 is the seed-to-seed gap (its folder and row carry the seed).
+
 The text is tokenized as the steps run, in `--data-workers` processes of torchtitan's data
 loader (2; 0: in the training process, whose step time then includes it; data_pct, torchtitan's
 data_loading(%) over the timed steps, says how much of a step waited for data). Activation
@@ -52,15 +58,18 @@ unless `--cuda-graphs`. Learning rate and warm-up are the config's unless `--lr`
     python benchmarks/bench_titan.py --model deepseek_v3 --flavor 16B_4L --modes eager,compile \\
         --batch 4 --seq-len 4096 --assets .titan-assets/bpe-32k --out titan_dsv3.json
     python benchmarks/bench_titan.py --converge --model deepseek_v3 --flavor small --steps 2000 \\
-        --assets .titan-assets/bpe-32k --dump runs/titan-converge --recipes bf16,nvfp4
+        --assets .titan-assets/bpe-32k --dump runs/titan-converge --recipes bf16,nvfp4,mxfp8 \\
+        --bf16-seeds 0,1 --parallel 4
     python benchmarks/bench_titan.py --smoke --assets A --data D    # CPU, debug model, 3 steps
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
+import queue
 import signal
 import statistics
 import subprocess
@@ -118,12 +127,13 @@ def recipe_args(titan: str, model: str, recipe: str, compile: bool) -> list[str]
 
 
 def titan_args(titan: str, args: argparse.Namespace, recipe: str, compile: bool,
-               dump: Path) -> list[str]:  # fmt: skip
-    """torchtitan's command line for one run (module docstring)."""
+               dump: Path, seed: int | None = None) -> list[str]:  # fmt: skip
+    """torchtitan's command line for one run (module docstring); `seed`: else `--seed`'s."""
+    seed = args.seed if seed is None else seed
     common = ["--training.steps", str(args.steps),
               "--training.local_batch_size", str(args.batch),
               "--training.seq_len", str(args.seq_len),
-              "--metrics.log_freq", "1", "--debug.seed", str(args.seed)]  # fmt: skip
+              "--metrics.log_freq", "1", "--debug.seed", str(seed)]  # fmt: skip
     if args.dtype:
         common += ["--training.dtype", args.dtype]
     if args.lr is not None:
@@ -159,8 +169,9 @@ def titan_args(titan: str, args: argparse.Namespace, recipe: str, compile: bool,
     return command + ([] if args.ac else ["activation-checkpoint:none"])
 
 
-def launch(titan_argv: list[str], log: Path, timeout: float) -> str:
-    """Run the trainer in its own process (group) with its output in `log`: "ok", or why not."""
+def launch(titan_argv: list[str], log: Path, timeout: float, gpu: int | None = None) -> str:
+    """Run the trainer in its own process (group) with its output in `log`: "ok", or why not.
+    `gpu`: the one GPU it sees (of those this process sees)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node", "1", "-m", "blockscale.integrations.titan.train",
                *titan_argv]  # fmt: skip
@@ -168,6 +179,10 @@ def launch(titan_argv: list[str], log: Path, timeout: float) -> str:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     if not torch.cuda.is_available():
         env.setdefault("OMP_NUM_THREADS", "1")  # one CPU process: no thread oversubscription
+    if gpu is not None:
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        env["CUDA_VISIBLE_DEVICES"] = ids[gpu]
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("a") as out:
         out.write("$ " + " ".join(command) + "\n")
@@ -248,23 +263,23 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 SPEED_COLUMNS = ["model", "flavor", "mode", "recipe", "tokens_per_s", "tok_vs_bf16", "peak_gib",
                  "mem_vs_bf16", "first_s", "data_pct", "loss_first", "loss_last",
                  "status"]  # fmt: skip
-CONVERGE_COLUMNS = ["model", "flavor", "mode", "recipe", "steps_done", "loss_end",
+CONVERGE_COLUMNS = ["model", "flavor", "mode", "recipe", "seed", "steps_done", "loss_end",
                     "loss_vs_bf16", "tokens_per_s", "peak_gib", "status"]  # fmt: skip
 
 
 def run_recipe(titan: str, args: argparse.Namespace, recipe: str, mode: str,
-               dump: Path) -> dict[str, Any]:  # fmt: skip
+               dump: Path, seed: int | None = None, gpu: int | None = None) -> dict[str, Any]:  # fmt: skip
     row: dict[str, Any] = {"model": args.model, "flavor": args.flavor, "mode": mode,
-                           "recipe": recipe}  # fmt: skip
+                           "recipe": recipe, "seed": args.seed if seed is None else seed}  # fmt: skip
     if args.dump:
         row["dump"] = str(dump)
     done = read_metrics(dump) if args.converge else {}
     if args.converge and done and max(done) >= args.steps:
         row["status"] = "ok"  # finished in an earlier call: read, not rerun
     else:
-        argv = titan_args(titan, args, recipe, mode == "compile", dump)
+        argv = titan_args(titan, args, recipe, mode == "compile", dump, seed)
         started = time.perf_counter()
-        row["status"] = launch(argv, dump / "log.txt", args.timeout)
+        row["status"] = launch(argv, dump / "log.txt", args.timeout, gpu)
         row["wall_s"] = time.perf_counter() - started
     row.update(summarize(read_metrics(dump), args.warmup, args.tail))
     return row
@@ -287,6 +302,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--lr-warmup", type=int, default=None, help="warm-up steps of the LR")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bf16-seeds", default=None,
+                        help="a BF16 run for each of these seeds (0,1): the seed-to-seed gap")  # fmt: skip
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="runs at a time; on CUDA each on a GPU of its own")  # fmt: skip
     parser.add_argument("--ac", action="store_const", const="selective", default=None,
                         help="torchtitan's selective activation checkpointing")  # fmt: skip
     parser.add_argument("--cuda-graphs", action="store_true", help="0.3: keep CUDA graphs on")
@@ -320,6 +339,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--model and --flavor are needed (or --smoke)")
     if args.converge and not args.dump:
         parser.error("--converge needs --dump, the folder its checkpoints resume from")
+    if args.parallel < 1:
+        parser.error("--parallel needs 1 or more")
+    try:
+        args.bf16_seeds = [int(s) for s in args.bf16_seeds.split(",")] if args.bf16_seeds else None
+    except ValueError:
+        parser.error(f"--bf16-seeds {args.bf16_seeds!r}: integers separated by commas")
     args.tail = min(args.tail, args.steps)
     return args
 
@@ -337,27 +362,57 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         raise SystemExit(f"--modes {args.modes!r}: each mode is eager or compile")
     info = harness.banner(harness.pick_device())
     info["torchtitan"] = titan
+    runs = [(mode, recipe, seed) for mode in modes for recipe in names
+            for seed in (args.bf16_seeds or [args.seed] if recipe == "bf16" else [args.seed])]  # fmt: skip
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     rows: list[dict[str, Any]] = []
+
+    def record(row: dict[str, Any]) -> None:
+        rows.append(row)
+        figures = ", ".join(f"{k}={harness.fmt(row.get(k))}" for k in
+                            ("tokens_per_s", "peak_gib", "loss_last"))  # fmt: skip
+        print(f"  {args.model} {args.flavor} {row['mode']} {row['recipe']} seed {row['seed']}: "
+              f"{figures} [{row['status']}]", flush=True)  # fmt: skip
+        rows.sort(key=lambda r: runs.index((r["mode"], r["recipe"], r["seed"])))
+        add_ratios(rows)
+        if args.out:
+            harness.write_json(args.out, {
+                "benchmark": "titan_converge" if args.converge else "titan",
+                "banner": info, "argv": sys.argv[1:] if argv is None else argv,
+                "batch": args.batch, "seq_len": args.seq_len, "steps": args.steps,
+                "warmup": args.warmup, "rows": rows})  # fmt: skip
+
+    # the GPUs not in use by a run (parallel runs on CUDA): a run takes one while it trains
+    free: queue.Queue[int] | None = None
+    if gpus and args.parallel > 1:
+        free = queue.Queue()
+        for gpu in range(gpus):
+            free.put(gpu)
+
+    def run(mode: str, recipe: str, seed: int, dump: Path) -> dict[str, Any]:
+        gpu = None if free is None else free.get()
+        try:
+            return run_recipe(titan, args, recipe, mode, dump, seed, gpu)
+        finally:
+            if free is not None:
+                free.put(gpu)
+
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(args.dump or tmp)
-        for mode in modes:
-            for recipe in names:
+        jobs = []
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel) as pool:
+            for mode, recipe, seed in runs:
                 dump = base / f"{args.model}-{args.flavor}-{mode}-{recipe}"
+                if seed != args.seed:
+                    dump = dump.with_name(f"{dump.name}-seed{seed}")
                 if args.dump and not args.converge:  # a fresh folder: no earlier run's metrics
                     dump = dump.with_name(dump.name + time.strftime("-%Y%m%d-%H%M%S"))
-                row = run_recipe(titan, args, recipe, mode, dump)
-                rows.append(row)
-                figures = ", ".join(f"{k}={harness.fmt(row.get(k))}" for k in
-                                    ("tokens_per_s", "peak_gib", "loss_last"))  # fmt: skip
-                print(f"  {args.model} {args.flavor} {mode} {recipe}: {figures} "
-                      f"[{row['status']}]", flush=True)  # fmt: skip
-                add_ratios(rows)
-                if args.out:
-                    harness.write_json(args.out, {
-                        "benchmark": "titan_converge" if args.converge else "titan",
-                        "banner": info, "argv": sys.argv[1:] if argv is None else argv,
-                        "batch": args.batch, "seq_len": args.seq_len, "steps": args.steps,
-                        "warmup": args.warmup, "rows": rows})  # fmt: skip
+                jobs.append(pool.submit(run, mode, recipe, seed, dump))
+                if args.parallel == 1:
+                    record(jobs[-1].result())
+            if args.parallel > 1:
+                for job in concurrent.futures.as_completed(jobs):
+                    record(job.result())
     print(f"\ntorchtitan {titan}, B={args.batch} T={args.seq_len}, {args.steps} steps; "
           "each recipe in its own process; ratios to BF16 of the same mode")  # fmt: skip
     harness.print_table(rows, CONVERGE_COLUMNS if args.converge else SPEED_COLUMNS)

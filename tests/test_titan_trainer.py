@@ -281,6 +281,32 @@ def test_v0_3_trainer_trains_bf16_and_nvfp4_through_the_bench(corpus, assets, tm
 
 
 @needs_v0_3
+def test_v0_3_bench_converges_bf16_seeds_in_parallel_and_reads_finished_runs(
+    corpus, assets, tmp_path
+):
+    """bench_titan's convergence mode with two BF16 seeds and two runs at a time: the rows in
+    the order asked (the second seed's folder and row carry it, its loss_vs_bf16 is the seed
+    gap), and the same command again reads the finished runs instead of training them."""
+    out, dump = tmp_path / "converge.json", tmp_path / "runs"
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_titan.py"), "--smoke",
+               "--converge", "--parallel", "2", "--bf16-seeds", "0,1", "--assets", str(assets),
+               "--data", str(corpus), "--dump", str(dump), "--out", str(out),
+               "--timeout", str(TIMEOUT)]  # fmt: skip
+    for attempt in (1, 2):
+        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
+                              timeout=3 * TIMEOUT)  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        rows = json.loads(out.read_text())["rows"]
+        got = [(r["recipe"], r["seed"], r["status"]) for r in rows]
+        assert got == [("bf16", 0, "ok"), ("bf16", 1, "ok"), ("nvfp4", 0, "ok")], got
+        assert ("wall_s" in rows[0]) == (attempt == 1)  # trained once, then read
+    assert Path(rows[1]["dump"]).name.endswith("-seed1")
+    assert rows[0]["losses"] != rows[1]["losses"]  # another seed, another run
+    assert rows[1]["loss_vs_bf16"] == rows[1]["loss_end"] / rows[0]["loss_end"]
+    assert all(r["steps_done"] == 3 for r in rows)
+
+
+@needs_v0_3
 def test_v0_3_trainer_resumes_from_its_checkpoint(corpus, assets, tmp_path, no_datasets):
     def titan_args(steps, dump):
         return v0_3_args(assets, corpus, steps, dump)
