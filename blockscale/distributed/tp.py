@@ -114,6 +114,20 @@ def expert_reductions(group: torch.distributed.ProcessGroup) -> dict[str, AmaxRe
     return {"w1": column, "w2": AmaxReduction(reduce, input=True, weight=True), "w3": column}
 
 
+def every_operand_reduction(group: torch.distributed.ProcessGroup) -> AmaxReduction:
+    """One amax reduction for all three grouped GEMMs of experts whose hidden dimension is
+    split over `group`, for a `GroupedMM` that cannot tell w1, w3 and w2 apart (torchtitan
+    0.3's `_grouped_mm` seam): every operand reduced. The operands that are not shards (w1's and
+    w3's input, w2's grad_output) are the same on every rank of the group, so their reduced
+    amaxes are their own and the result is `expert_reductions`'s, bit for bit; the cost is
+    w2's backward collective ([E] values) that `expert_reductions` does without."""
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_amax(t, group)
+
+    return AmaxReduction(reduce, input=True, weight=True, grad_output=True)
+
+
 def check_shards(module: nn.Linear, tp: int, kind: str, parts: int = 1) -> None:
     """Raise a ValueError naming the layer, the shard size and the rule unless `module`'s
     weight splits evenly over `tp` ranks into shards of whole blocks (`kind`: COLWISE shards

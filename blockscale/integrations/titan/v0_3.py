@@ -28,6 +28,29 @@ so each rank's experts run blockscale's grouped GEMM, on the token groups EP's a
 dispatch lays out (unpadded: one process's group of each local expert, row for row; tested
 bit for bit against one process in tests/test_titan_expert_parallel.py).
 
+Tensor parallel of the experts (TP on, EP off): 0.3's sharding configs split every routed
+expert's hidden dimension over the "tp" mesh dim (`moe_sharding.expert_param_placement_dense`:
+w1_EFD, w3_EFD `Shard(1)`, w2_EDF `Shard(2)`), and the experts forward multiplies the local
+shards through the seam, every token on each rank. Left there, each rank quantized its shards
+with their own per-expert amaxes, not one process's, and nothing said so (before 2026-12-05).
+So the converted class's forward finds the mesh dim that splits its weights
+(`hidden_split_group`: DTensors sharded on a dim other than the experts') and gives its
+`GroupedMM`, for that forward, `distributed.tp.every_operand_reduction` over it: each
+call's per-expert NVFP4 amaxes MAX-reduced over the TP ranks, every operand (one collective a
+call in the forward and one in the backward; the reduction travels with autograd to the
+backward). The seam cannot tell w1, w3 and w2 apart, and need not: the operands that are not
+shards (w1's and w3's input, w2's grad_output) are the same on every TP rank, so reducing them
+changes nothing, and every quantized operand is that part of one process's, bit for bit (the
+weight gradients are one process's slices: tests/test_titan_experts_tp_v0_3.py). The shards
+must hold whole blocks (16 for NVFP4, 32 for MXFP8; `check_hidden_split` raises otherwise).
+torchtitan compiles each block with `fullgraph=True`, its experts included: Dynamo traces the
+attribute set and reset around the call and puts the collectives in the forward and backward
+graphs as functional all-reduces, and the compiled block gives eager's bits (tested with
+AOTAutograd on the CPU, not with Inductor). On 0.3's default `spmd_types` backend the shards
+are plain tensors and no mesh is in sight of the module: there the converted experts raise a
+ValueError (`--parallelism.spmd_backend partial_dtensor` runs them) rather than quantize each
+shard alone.
+
 Not done in 0.3: FSDP2's quantized all-gather (`enable_quantized_all_gather`, which the 0.2.2
 converter turns on). A 0.3 converter sees the model config only, before the build: never the
 built model nor the parallel dims, and nothing of torchtitan calls it after the build. Wrapping
@@ -42,10 +65,13 @@ mixed-precision dtype, and each layer quantizes its gathered weight, as without 
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
+from torch.distributed.tensor import DTensor
 from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.config.override import override
 from torchtitan.models.common.linear import Linear
@@ -54,6 +80,7 @@ from torchtitan.protocols.model import BaseModel
 from torchtitan.protocols.module import Module
 
 import blockscale.nn as bsnn
+from blockscale.distributed.tp import every_operand_reduction
 from blockscale.integrations.titan import (
     DEFAULT_BF16_TAIL_FRACTION,
     DEFAULT_RECIPE,
@@ -108,6 +135,22 @@ def experts_class(parent: type) -> type:
         def __init__(self, config: Any) -> None:
             parent.__init__(self, config)
             self.grouped_mm = TitanGroupedMM(config.recipe)
+            # built whole (on the meta device, before torchtitan parallelizes it)
+            self.blockscale_whole_shapes = {
+                name: tuple(p.shape) for name, p in self.named_parameters(recurse=False)
+            }
+
+        # torchtitan maps a forward's inputs to its sharding config by the signature's names
+        @functools.wraps(parent.forward)
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            group = hidden_split_group(self)
+            if group is None:
+                return parent.forward(self, *args, **kwargs)
+            self.grouped_mm.amax_reduction = every_operand_reduction(group)
+            try:
+                return parent.forward(self, *args, **kwargs)
+            finally:
+                self.grouped_mm.amax_reduction = None
 
         def _grouped_mm(self, *, A: Any, B_t: Any, offs: Any) -> Any:
             return self.grouped_mm(A, B_t, offs)
@@ -115,6 +158,77 @@ def experts_class(parent: type) -> type:
     BlockscaleExperts.__name__ = BlockscaleExperts.__qualname__ = f"Blockscale{parent.__name__}"
     _EXPERTS_CLASSES[parent] = BlockscaleExperts
     return BlockscaleExperts
+
+
+def hidden_split_group(module: Any) -> torch.distributed.ProcessGroup | None:
+    """The process group over whose ranks the quantized experts `module` split their hidden
+    dimension (module docstring, "Tensor parallel"), or None where its weights are whole along
+    it. Its parameters are DTensors sharded on a dim other than the experts' (dim 0) over one
+    mesh dim; their shards must hold whole blocks (`check_hidden_split`). A ValueError for a
+    split over several mesh dims, or for shards that are no DTensors (spmd_types), whose
+    ranks blockscale cannot see."""
+    gmm = module.grouped_mm
+    if not (gmm.quantize_enabled and gmm.recipe.quantized):
+        return None
+    split: dict[str, int] = {}  # parameter -> its whole size along the split dim
+    where = set()  # (mesh, mesh dim)
+    for name, p in module.named_parameters(recurse=False):
+        if not isinstance(p, DTensor):
+            continue
+        for mesh_dim, placement in enumerate(p.placements):
+            if placement.is_shard() and placement.dim != 0:
+                split[name] = p.shape[placement.dim]
+                where.add((p.device_mesh, mesh_dim))
+    if len(where) > 1:
+        dims = sorted(f"{m.mesh_dim_names}[{d}]" for m, d in where)
+        raise ValueError(
+            f"{type(module).__name__}: the experts' hidden dimension is split over several mesh "
+            f"dims ({', '.join(dims)}); blockscale reduces the NVFP4 amaxes over one"
+        )
+    if not where:
+        _refuse_plain_shards(module)
+        return None
+    ((mesh, mesh_dim),) = where
+    ranks = mesh.size(mesh_dim)
+    check_hidden_split(module, split, ranks)
+    return mesh.get_group(mesh_dim)
+
+
+def check_hidden_split(module: Any, split: dict[str, int], ranks: int) -> None:
+    """Raise a ValueError naming the rule unless every rank's part of each split dimension
+    (`split`: parameter name -> its whole size along the dim split over `ranks` ranks) is the
+    same size and holds whole blocks of every quantized copy that can run along it. One
+    `GroupedMM` serves w1, w3 (the hidden dimension is their N: grad_output's and the dgrad
+    weight's blocks, and a 16x16 weight block, run along it) and w2 (their K: the input's and
+    the weight's blocks), so the largest of those blocks."""
+    recipe = module.grouped_mm.recipe
+    configs = (recipe.output.input, recipe.output.weight, recipe.grad_input.grad_output,
+               recipe.grad_input.weight)  # fmt: skip
+    block = max(c.block_size for c in configs)
+    for name, size in split.items():
+        if size % (ranks * block):
+            raise ValueError(
+                f"{type(module).__name__} under tensor parallel over {ranks} ranks: {name} "
+                f"splits a dimension of {size} (the experts' hidden dimension), and each rank's "
+                f"part must hold whole blocks of {block} (recipe {recipe.name}: its blocks run "
+                f"along it); it must be a multiple of {ranks * block}"
+            )
+
+
+def _refuse_plain_shards(module: Any) -> None:
+    """Raise where the experts' weights are plain tensors holding part of a dimension other
+    than the experts' (torchtitan's default `spmd_types` backend under tensor parallel): each
+    rank would scale its shard with its own amaxes, silently unlike one process."""
+    for name, p in module.named_parameters(recurse=False):
+        whole = module.blockscale_whole_shapes.get(name)
+        if whole is not None and len(whole) == p.dim() and tuple(p.shape[1:]) != whole[1:]:
+            raise ValueError(
+                f"{type(module).__name__}: {name} is a plain tensor of shape "
+                f"{tuple(p.shape)}, part of {whole} beyond the experts' dim (tensor parallel "
+                "on torchtitan's spmd_types backend); blockscale reduces the shards' NVFP4 "
+                "amaxes over the ranks only for DTensor weights: run with "
+                "--parallelism.spmd_backend partial_dtensor, or keep these experts in BF16"
+            )
 
 
 def _replace(root: Any, parent: Any, attr: Any, new: Any) -> Any:
