@@ -53,7 +53,8 @@ data_loading(%) over the timed steps, says how much of a step waited for data). 
 checkpointing is off unless `--ac` (torchtitan's selective one, its configs' default), and
 0.3's CUDA graphs are off
 unless `--cuda-graphs`. Learning rate and warm-up are the config's unless `--lr` /
-`--lr-warmup`.
+`--lr-warmup`. `--no-weight-cache` (0.2.2): blockscale's layers keep no quantized weight copies
+(the converter's `--blockscale.no_weight_cache`; docs/TORCHTITAN.md says what that trades).
 
     python benchmarks/bench_titan.py --model deepseek_v3 --flavor 16B_4L --modes eager,compile \\
         --batch 4 --seq-len 4096 --assets .titan-assets/bpe-32k --out titan_dsv3.json
@@ -103,8 +104,10 @@ def titan_version() -> str:
                          "PYTHONPATH (docs/TORCHTITAN.md)") from None  # fmt: skip
 
 
-def recipe_args(titan: str, model: str, recipe: str, compile: bool) -> list[str]:
-    """The torchtitan arguments that apply `recipe` (module docstring)."""
+def recipe_args(titan: str, model: str, recipe: str, compile: bool,
+                weight_cache: bool = True) -> list[str]:  # fmt: skip
+    """The torchtitan arguments that apply `recipe` (module docstring); `weight_cache=False`:
+    blockscale's converted layers keep no weight copies (0.2.2's `--blockscale.no_weight_cache`)."""
     if recipe == "bf16":
         return []
     if titan.startswith("0.2."):
@@ -118,7 +121,10 @@ def recipe_args(titan: str, model: str, recipe: str, compile: bool) -> list[str]
             return ["--model.converters", converters, *extra]
         return ["--model.converters", "blockscale",
                 "--job.custom_config_module", "blockscale.integrations.titan.v0_2",
-                "--blockscale.recipe", recipe]  # fmt: skip
+                "--blockscale.recipe", recipe,
+                *([] if weight_cache else ["--blockscale.no_weight_cache"])]  # fmt: skip
+    if not weight_cache:
+        raise SystemExit("--no-weight-cache: torchtitan 0.2.2's converter option only")
     if recipe == "float8":
         target = "blockscale.integrations.titan.train_v0_3.float8_rowwise"
         return ["--override.imports", f"{target}={json.dumps({'compile': compile})}"]
@@ -154,7 +160,8 @@ def titan_args(titan: str, args: argparse.Namespace, recipe: str, compile: bool,
                    "--model.hf_assets_path", args.assets, "--training.dataset_path", args.data,
                    "--job.dump_folder", str(dump),
                    "--activation_checkpoint.mode", "selective" if args.ac else "none"]  # fmt: skip
-        return command + common + recipe_args(titan, args.model, recipe, compile)
+        return command + common + recipe_args(titan, args.model, recipe, compile,
+                                              args.weight_cache)  # fmt: skip
     command = ["--module", "blockscale.integrations.titan.train_v0_3",
                "--config", f"{args.model}_{args.flavor.lower()}",
                "--hf_assets_path", args.assets, "--dataloader.dataset_path", args.data,
@@ -164,7 +171,7 @@ def titan_args(titan: str, args: argparse.Namespace, recipe: str, compile: bool,
         common += ["--compile.components", "model,loss"]
     if not args.cuda_graphs:
         common += ["--training.disable_cuda_graphs"]
-    command += common + recipe_args(titan, args.model, recipe, compile)
+    command += common + recipe_args(titan, args.model, recipe, compile, args.weight_cache)
     # tyro's subcommand for the activation-checkpointing union goes last
     return command + ([] if args.ac else ["activation-checkpoint:none"])
 
@@ -309,6 +316,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ac", action="store_const", const="selective", default=None,
                         help="torchtitan's selective activation checkpointing")  # fmt: skip
     parser.add_argument("--cuda-graphs", action="store_true", help="0.3: keep CUDA graphs on")
+    parser.add_argument("--no-weight-cache", dest="weight_cache", action="store_false",
+                        help="0.2.2: blockscale's layers keep no quantized weight copies")  # fmt: skip
     parser.add_argument("--data", default=".data/train.txt.gz",
                         help="the text: a .txt/.txt.gz file, a folder or a comma list")  # fmt: skip
     parser.add_argument("--data-workers", type=int, default=2,

@@ -375,6 +375,41 @@ def test_v0_2_converted_layers_equal_blockscale_ops(name):
 
 
 @needs_v0_2
+@pytest.mark.usefixtures("histc_on_cpu")
+def test_v0_2_no_weight_cache_holds_no_expert_copy_between_forward_and_backward():
+    """BF16 weights (`--training.dtype bfloat16`), nvfp4: by default each converted experts
+    weight's cache keeps its 16x16 copy from the second step's forward to its backward (the
+    backward's rebuild counts as the copy made twice); `--blockscale.no_weight_cache` holds
+    none, with the same losses (the bits do not depend on the cache)."""
+    from blockscale.integrations.titan.v0_2 import HELD_AT
+
+    def run(args):
+        model = build_v0_2("llama4", ["--job.custom_config_module",
+                                      "blockscale.integrations.titan.v0_2", *args])  # fmt: skip
+        model.to(torch.bfloat16)
+        gmms = [g for g in getattr(model, HELD_AT).modules() if isinstance(g, bsnn.GroupedMM)]
+        held = []
+
+        def forward_hook(module, args, output):
+            held.append(sum(g.weight_cache.held_bytes() for g in gmms if g.weight_cache))
+
+        handle = model.norm.register_forward_hook(forward_hook)  # after the last block
+        losses = train(model, steps=2)
+        handle.remove()
+        return gmms, held, losses
+
+    cached, held, losses = run([])
+    assert all(g.weight_cache is not None for g in cached) and len(cached) == 9
+    # kept from the second step: the packed copies of the 6 quantized weights (2 blocks' w1,
+    # w2, w3 of 8 x 512 x 256: 4-bit codes, an E4M3 scale per 16 values, an FP32 amax an expert)
+    values = 8 * 512 * 256
+    assert held == [0, 6 * (values // 2 + values // 16 + 4 * 8)], held
+    uncached, held_none, losses_none = run(["--blockscale.no_weight_cache"])
+    assert all(g.weight_cache is None for g in uncached) and held_none == [0, 0]
+    assert losses_none == losses
+
+
+@needs_v0_2
 def test_v0_2_converter_is_registered_under_its_name():
     from torchtitan.protocols.model_converter import _registry_model_converter_cls
 

@@ -99,6 +99,12 @@ class Blockscale:
     """Convert only layers whose fqn contains one of these (replaces the tail rule)."""
     bf16_fqns: list[str] = field(default_factory=list)
     """Keep layers whose fqn contains one of these in BF16."""
+    weight_cache: bool = True
+    """False (`--blockscale.no_weight_cache`): the converted layers keep no quantized weight
+    copies between uses (ops/weight_cache.py). Then nothing holds a copy from the forward to
+    the backward (with BF16 weights, NVFP4's 16x16 expert copies, kept otherwise from the
+    second step: docs/TORCHTITAN.md, "Llama 4 on a GPU"), at one more quantization of each
+    such weight in the backward."""
 
 
 @dataclass
@@ -301,6 +307,8 @@ class BlockscaleConverter:
                 # convert routes every experts module (BF16 ones through torch's grouped GEMM)
                 module.__class__ = UnpaddedGroupedExperts
         bsnn.convert(model, self.recipe, module_filter_fn=policy)
+        if not self.options.weight_cache:
+            bsnn.set_weight_cache(model, False)
         for module in model.modules():
             routed = isinstance(module, UnpaddedGroupedExperts) and hasattr(module, "grouped_mms")
             if routed and not isinstance(module, ExpertParallelShards):
