@@ -410,6 +410,23 @@ def test_v0_2_no_weight_cache_holds_no_expert_copy_between_forward_and_backward(
 
 
 @needs_v0_2
+@pytest.mark.usefixtures("histc_on_cpu")
+def test_v0_2_converted_model_converts_again():
+    """The converter keeps the experts' GroupedMMs on the model root (v0_2's
+    `hold_grouped_mms_at_root`); `convert` on the converted model then sets the new recipe on
+    those same modules, as on any converted model, and the model trains."""
+    from blockscale.integrations.titan.v0_2 import HELD_AT
+
+    model = build_v0_2("llama4")
+    held = list(getattr(model, HELD_AT).modules())
+    bs.convert(model, recipes.get("mxfp8"), module_filter_fn=bs.nn.layer_policy(model))
+    gmms = [m for m in model.modules() if isinstance(m, bsnn.GroupedMM)]
+    assert gmms and all(g in held for g in gmms)
+    assert {g.recipe.name for g in gmms if g.recipe.quantized} == {"mxfp8"}
+    assert_trains(train(model))
+
+
+@needs_v0_2
 def test_v0_2_converter_is_registered_under_its_name():
     from torchtitan.protocols.model_converter import _registry_model_converter_cls
 

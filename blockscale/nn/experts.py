@@ -303,6 +303,11 @@ def route_grouped_mm(module: nn.Module, recipe: Recipe, names: Iterable[str]) ->
             "which would bypass the routing: convert before adding it"
         )
     grouped_mms = module._modules.get("grouped_mms")
+    held = module.__dict__.get("grouped_mms")
+    if grouped_mms is None and isinstance(held, nn.ModuleDict):
+        # registered elsewhere in the model, the module keeping a plain reference (torchtitan
+        # 0.2.2's converter, integrations/titan/v0_2.py: `hold_grouped_mms_at_root`)
+        grouped_mms = held
     if grouped_mms is None:
         if hasattr(module, "grouped_mms"):
             raise ValueError(
