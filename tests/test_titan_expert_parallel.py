@@ -302,11 +302,12 @@ def test_v0_2_experts_quantized_under_titans_parallelize_with_fsdp_and_ep():
 # torchtitan 0.3.0
 
 
-def _v0_3_parallelism(world_size: int) -> tuple[Any, Any]:
-    """0.3's parallelism config with EP over all ranks (on the dp_shard ranks, as its meshes
-    require: dp_shard * cp * tp == efsdp * ep) on the `partial_dtensor` backend (module
-    docstring), and its parallel dims, in a rank that has not imported torchtitan yet: the
-    launcher points torchtitan at the CPU first, as for its trainer."""
+def _v0_3_parallelism(world_size: int, **degrees: int) -> tuple[Any, Any]:
+    """0.3's parallelism config on the `partial_dtensor` backend (module docstring) and its
+    parallel dims, in a rank that has not imported torchtitan yet: the launcher points
+    torchtitan at the CPU first, as for its trainer. `degrees`: ParallelismConfig's; by default
+    EP over all ranks (on the dp_shard ranks, as its meshes require: dp_shard * cp * tp ==
+    efsdp * ep)."""
     from blockscale.integrations.titan.train import run_torchtitan_on_cpu
 
     run_torchtitan_on_cpu()
@@ -314,11 +315,11 @@ def _v0_3_parallelism(world_size: int) -> tuple[Any, Any]:
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.utils import set_spmd_backend
 
-    parallelism = ParallelismConfig(
-        data_parallel_shard_degree=world_size,
-        expert_parallel_degree=world_size,
-        spmd_backend="partial_dtensor",
-    )
+    degrees = degrees or {
+        "data_parallel_shard_degree": world_size,
+        "expert_parallel_degree": world_size,
+    }
+    parallelism = ParallelismConfig(**degrees, spmd_backend="partial_dtensor")
     set_spmd_backend(parallelism.spmd_backend)  # what the trainer does
     dims = ParallelDims.from_config(parallelism, world_size)
     dims.build_mesh()

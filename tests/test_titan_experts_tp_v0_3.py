@@ -50,11 +50,20 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import torch
-from test_titan_expert_parallel import EXPERTS_ONLY_V0_3, WEIGHTS_V0_3, _build_v0_3, _loss
+from test_distributed_tp import counting_all_reduce
+from test_titan_expert_parallel import (
+    EXPERTS_ONLY_V0_3,
+    WEIGHTS_V0_3,
+    _build_v0_3,
+    _loss,
+    _v0_3_parallelism,
+)
 from test_torchtitan import build_v0_3, needs_v0_3
 
 from blockscale.distributed.launch import run_local
@@ -65,42 +74,22 @@ CONVERTED = [f"layers.{i}.moe.routed_experts.inner_experts" for i in (1, 2, 3, 4
 
 
 def _tensor_parallelism(world_size: int) -> tuple[Any, Any]:
-    """0.3's parallelism config with TP over all ranks on the `partial_dtensor` backend, and its
-    parallel dims, in a rank that has not imported torchtitan yet (the launcher points
-    torchtitan at the CPU first, as for its trainer)."""
-    from blockscale.integrations.titan.train import run_torchtitan_on_cpu
-
-    run_torchtitan_on_cpu()
-    from torchtitan.config import ParallelismConfig
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed.utils import set_spmd_backend
-
-    parallelism = ParallelismConfig(
-        tensor_parallel_degree=world_size, spmd_backend="partial_dtensor"
-    )
-    set_spmd_backend(parallelism.spmd_backend)  # what the trainer does
-    dims = ParallelDims.from_config(parallelism, world_size)
-    dims.build_mesh()
-    return parallelism, dims
+    """0.3's parallelism config and dims with TP over all ranks (`partial_dtensor`)."""
+    return _v0_3_parallelism(world_size, tensor_parallel_degree=world_size)
 
 
-class _Collectives:
-    """Counts blockscale's amax all-reduces: `blockscale.distributed.tp.all_reduce_amax`,
-    which the experts' reductions read at each call, replaced while open."""
+@contextmanager
+def _collectives() -> Iterator[list[int]]:
+    """blockscale's amax all-reduces counted while entered (`counting_all_reduce`: each
+    reduction's size), `tp.all_reduce_amax` restored on exit."""
+    from blockscale.distributed import tp
 
-    def __init__(self) -> None:
-        from blockscale.distributed import tp
-
-        self.tp, self.real, self.calls = tp, tp.all_reduce_amax, 0
-
-        def counted(t: torch.Tensor, group: Any = None) -> torch.Tensor:
-            self.calls += 1
-            return self.real(t, group)
-
-        tp.all_reduce_amax = counted
-
-    def close(self) -> None:
-        self.tp.all_reduce_amax = self.real
+    real = tp.all_reduce_amax
+    calls, tp.all_reduce_amax = counting_all_reduce()
+    try:
+        yield calls
+    finally:
+        tp.all_reduce_amax = real
 
 
 def _weight_shapes(model: torch.nn.Module) -> tuple[list, list]:
@@ -159,15 +148,14 @@ def _module_worker(rank: int, world_size: int) -> None:
             assert isinstance(w, DTensor) and w.placements == (placement,), (name, w)
             assert w.device_mesh.mesh_dim_names == ("tp",)
         calls, handles = _weight_shapes(experts)
-        collectives = _Collectives()
         try:
-            x_ = x.clone().requires_grad_()
-            out = experts(x_, counts)
-            forward = collectives.calls
-            out.backward(grad)
-            backward = collectives.calls - forward
+            with _collectives() as reduced:
+                x_ = x.clone().requires_grad_()
+                out = experts(x_, counts)
+                forward = len(reduced)
+                out.backward(grad)
+                backward = len(reduced) - forward
         finally:
-            collectives.close()
             for handle in handles:
                 handle.remove()
         return experts, out.detach(), x_.grad, calls, [forward, backward]
@@ -267,16 +255,15 @@ def _model_worker(rank: int, world_size: int) -> None:
         return logits.detach(), grads
 
     calls, handles = _weight_shapes(model)
-    collectives = _Collectives()
     try:
-        logits, grads = step()
+        with _collectives() as reduced:
+            logits, grads = step()
     finally:
-        collectives.close()
         for handle in handles:
             handle.remove()
     assert sorted(c[0] for c in calls) == sorted(CONVERTED * 3), calls
     assert all(quantized and 128 in shape[1:] for _, quantized, shape in calls), calls
-    assert collectives.calls == 2 * 3 * len(CONVERTED), collectives.calls
+    assert len(reduced) == 2 * 3 * len(CONVERTED), reduced
     want = reference(inputs).detach()
     error = ((logits - want).abs().max() / want.abs().max()).item()
     assert error <= 2.0**-8, error  # normwise (module docstring); measured 4.2e-7

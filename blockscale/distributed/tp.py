@@ -78,7 +78,7 @@ from blockscale.nn.linear import Linear
 from blockscale.ops.linear import AmaxReduction, linear
 from blockscale.recipes import Recipe
 
-COLWISE, ROWWISE = "colwise", "rowwise"
+COLWISE, ROWWISE, EVERY_OPERAND = "colwise", "rowwise", "every operand"
 
 
 def _blocks_along(recipe: Recipe, kind: str) -> list[tuple[int, str]]:
@@ -100,32 +100,31 @@ def _blocks_along(recipe: Recipe, kind: str) -> list[tuple[int, str]]:
     ]
 
 
+def largest_block(recipe: Recipe, kind: str) -> int:
+    """The largest block of `recipe` that runs along the dimension a `kind`-wise split cuts
+    (`_blocks_along`; EVERY_OPERAND: either's), which each shard must hold whole."""
+    kinds = (COLWISE, ROWWISE) if kind == EVERY_OPERAND else (kind,)
+    return max(block for k in kinds for block, _ in _blocks_along(recipe, k))
+
+
+def amax_reduction(kind: str, group: torch.distributed.ProcessGroup) -> AmaxReduction:
+    """The amax reduction over `group` of a layer split `kind`-wise: COLWISE (the weight's rows,
+    so grad_output's columns, are shards), ROWWISE (the weight's columns and the input's), or
+    EVERY_OPERAND (all three reduced: for a caller that cannot tell which; an operand that is
+    whole is the same on every rank, so its reduced amax is its own). `all_reduce_amax` is
+    looked up here, when the reduction is made (tests count its calls)."""
+    reduce = functools.partial(all_reduce_amax, group=group)
+    return AmaxReduction(reduce, input=kind != COLWISE, weight=True, grad_output=kind != ROWWISE)
+
+
 def expert_reductions(group: torch.distributed.ProcessGroup) -> dict[str, AmaxReduction]:
     """The amax reductions of experts whose hidden dimension is split over `group` (torchtitan's
     `TensorParallel` of the experts; ops/grouped_mm.py, "Tensor parallel"), by weight: w1 and
-    w3 ([E, hidden, dim]) column-wise, their weights and grad_outputs sharded; w2
-    ([E, dim, hidden]) row-wise, its weight and input sharded. Read at each call of
-    `all_reduce_amax`, as the styles read it."""
-
-    def reduce(t: torch.Tensor) -> torch.Tensor:
-        return all_reduce_amax(t, group)
-
-    column = AmaxReduction(reduce, weight=True, grad_output=True)
-    return {"w1": column, "w2": AmaxReduction(reduce, input=True, weight=True), "w3": column}
-
-
-def every_operand_reduction(group: torch.distributed.ProcessGroup) -> AmaxReduction:
-    """One amax reduction for all three grouped GEMMs of experts whose hidden dimension is
-    split over `group`, for a `GroupedMM` that cannot tell w1, w3 and w2 apart (torchtitan
-    0.3's `_grouped_mm` seam): every operand reduced. The operands that are not shards (w1's and
-    w3's input, w2's grad_output) are the same on every rank of the group, so their reduced
-    amaxes are their own and the result is `expert_reductions`'s, bit for bit; the cost is
-    w2's backward collective ([E] values) that `expert_reductions` does without."""
-
-    def reduce(t: torch.Tensor) -> torch.Tensor:
-        return all_reduce_amax(t, group)
-
-    return AmaxReduction(reduce, input=True, weight=True, grad_output=True)
+    w3 ([E, hidden, dim]) column-wise, w2 ([E, dim, hidden]) row-wise. A `GroupedMM` that
+    serves all three (torchtitan 0.3's `_grouped_mm` seam) takes `amax_reduction(EVERY_OPERAND,
+    group)` instead: the same bits, at one more [E] collective in w2's backward."""
+    column = amax_reduction(COLWISE, group)
+    return {"w1": column, "w2": amax_reduction(ROWWISE, group), "w3": column}
 
 
 def check_shards(module: nn.Linear, tp: int, kind: str, parts: int = 1) -> None:
@@ -172,12 +171,8 @@ class _Layout:
 
     @classmethod
     def of(cls, kind: str, mesh: DeviceMesh, output: Placement, parts: int = 1) -> _Layout:
-        # all_reduce_amax looked up here, when the plan is applied (tests count its calls)
-        reduce = functools.partial(all_reduce_amax, group=mesh.get_group())
-        if kind == COLWISE:
-            reduction = AmaxReduction(reduce, weight=True, grad_output=True)
-            return cls(kind, mesh, output, reduction, parts)
-        return cls(kind, mesh, output, AmaxReduction(reduce, input=True, weight=True))
+        # the reduction made when the plan is applied
+        return cls(kind, mesh, output, amax_reduction(kind, mesh.get_group()), parts)
 
     def colwise_output(self, ndim: int) -> Placement:
         """Where a column-wise layer's local output columns sit in the whole output."""

@@ -268,9 +268,8 @@ class _GroupedMM(torch.autograd.Function):
             )
             w_codes = codes or keeps_w
 
-            def make_w(dq: bool) -> QuantizedOperand:
-                amax = w_amax if w_cfg.format is Format.NVFP4 else None
-                return quantize_experts(weight, w_cfg, dq=dq, codes=w_codes, amax=amax)
+            def make_w(dq: bool) -> QuantizedOperand:  # (an MXFP8 copy ignores `amax`)
+                return quantize_experts(weight, w_cfg, dq=dq, codes=w_codes, amax=w_amax)
 
             dq = not packed_weight_rule(weight)  # (gemm/grouped.py)
             # A forward that keeps grad_input's copy along N makes both from one read
@@ -286,8 +285,7 @@ class _GroupedMM(torch.autograd.Function):
             elif ctx.needs_input_grad[0]:
 
                 def make_t(dq: bool) -> QuantizedOperand:
-                    amax = w_amax if dgrad_cfg.format is Format.NVFP4 else None
-                    return quantize_experts(weight, dgrad_cfg, transpose=True, dq=dq, amax=amax)
+                    return quantize_experts(weight, dgrad_cfg, transpose=True, dq=dq, amax=w_amax)
 
                 if ctx.shared:
                     weight_for_dgrad = TransposedExperts(w_lp)  # type: ignore[arg-type]

@@ -74,7 +74,7 @@ from torchtitan.protocols.model_converter import register_model_converter
 
 import blockscale.nn as bsnn
 from blockscale.distributed.fsdp import enable_quantized_all_gather
-from blockscale.distributed.tp import expert_reductions
+from blockscale.distributed.tp import COLWISE, ROWWISE, expert_reductions, largest_block
 from blockscale.integrations.titan import (
     DEFAULT_BF16_TAIL_FRACTION,
     DEFAULT_RECIPE,
@@ -181,13 +181,7 @@ def check_hidden_shards(module: nn.Module, local: dict[str, torch.Tensor], ranks
         recipe = gmm.recipe
         if not (gmm.quantize_enabled and recipe.quantized):
             continue
-        if name == "w2":
-            configs = [recipe.output.input, recipe.output.weight]
-        else:
-            configs = [recipe.grad_input.grad_output, recipe.grad_input.weight]
-            if recipe.output.weight.block == "16x16":
-                configs.append(recipe.output.weight)
-        block = max(c.block_size for c in configs)
+        block = largest_block(recipe, ROWWISE if name == "w2" else COLWISE)
         if hidden % block:
             raise ValueError(
                 f"{type(module).__name__} under tensor parallel over {ranks} ranks: each rank "

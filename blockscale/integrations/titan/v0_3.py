@@ -35,8 +35,8 @@ shards through the seam, every token on each rank. Left there, each rank quantiz
 with their own per-expert amaxes, not one process's, and nothing said so (before 2026-12-05).
 So the converted class's forward finds the mesh dim that splits its weights
 (`hidden_split_group`: DTensors sharded on a dim other than the experts') and gives its
-`GroupedMM`, for that forward, `distributed.tp.every_operand_reduction` over it: each
-call's per-expert NVFP4 amaxes MAX-reduced over the TP ranks, every operand (one collective a
+`GroupedMM`, for that forward, `tp.amax_reduction(EVERY_OPERAND, group)` over it: each call's
+per-expert NVFP4 amaxes MAX-reduced over the TP ranks, every operand (one collective a
 call in the forward and one in the backward; the reduction travels with autograd to the
 backward). The seam cannot tell w1, w3 and w2 apart, and need not: the operands that are not
 shards (w1's and w3's input, w2's grad_output) are the same on every TP rank, so reducing them
@@ -80,7 +80,7 @@ from torchtitan.protocols.model import BaseModel
 from torchtitan.protocols.module import Module
 
 import blockscale.nn as bsnn
-from blockscale.distributed.tp import every_operand_reduction
+from blockscale.distributed.tp import EVERY_OPERAND, amax_reduction, largest_block
 from blockscale.integrations.titan import (
     DEFAULT_BF16_TAIL_FRACTION,
     DEFAULT_RECIPE,
@@ -146,7 +146,7 @@ def experts_class(parent: type) -> type:
             group = hidden_split_group(self)
             if group is None:
                 return parent.forward(self, *args, **kwargs)
-            self.grouped_mm.amax_reduction = every_operand_reduction(group)
+            self.grouped_mm.amax_reduction = amax_reduction(EVERY_OPERAND, group)
             try:
                 return parent.forward(self, *args, **kwargs)
             finally:
@@ -202,9 +202,7 @@ def check_hidden_split(module: Any, split: dict[str, int], ranks: int) -> None:
     weight's blocks, and a 16x16 weight block, run along it) and w2 (their K: the input's and
     the weight's blocks), so the largest of those blocks."""
     recipe = module.grouped_mm.recipe
-    configs = (recipe.output.input, recipe.output.weight, recipe.grad_input.grad_output,
-               recipe.grad_input.weight)  # fmt: skip
-    block = max(c.block_size for c in configs)
+    block = largest_block(recipe, EVERY_OPERAND)
     for name, size in split.items():
         if size % (ranks * block):
             raise ValueError(
