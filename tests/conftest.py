@@ -17,8 +17,13 @@ kernel is defined, so it has to be set here, before any test imports blockscale.
 
 import os
 
-import pytest
-import torch
+# AOTAutograd's check that a library op's output is not one of its inputs only warns unless
+# the variable CI is set, where it raises: make every run (and the ranks the distributed tests
+# spawn, which inherit the environment) as strict as CI's. It is read when torch is imported.
+os.environ.setdefault("TORCHINDUCTOR_ERROR_ON_CUSTOM_OP_ALIASING", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -580,11 +580,18 @@ def _reference_grouped(
     out: list[torch.Tensor] = []
     if row is not None:
         q = grouped.nvfp4_quantize_rows(x, offs, row, amax=row_amax)
-        out += [q.data, q.scale, q.amax]
+        out += [q.data, q.scale, _not_an_input(q.amax, row_amax)]
     if tokens is not None:
         q = grouped.nvfp4_quantize_tokens(x, offs, tokens, hadamard=hadamard, amax=tokens_amax)
-        out += [q.data, q.scale, q.amax]
+        out += [q.data, q.scale, _not_an_input(q.amax, tokens_amax)]
     return out
+
+
+def _not_an_input(found: torch.Tensor, given: torch.Tensor | None) -> torch.Tensor:
+    """A given amax comes back as the copy's amax: a library op's output may not be (or
+    alias) one of its inputs (AOTAutograd refuses it under CI's settings, warns otherwise), so
+    with one given the output is a fresh [E] tensor with the same values."""
+    return found if given is None else found.clone()
 
 
 @_reference_grouped.op.register_fake
