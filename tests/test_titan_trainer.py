@@ -464,9 +464,12 @@ def test_v0_2_checkpoint_moves_between_bf16_and_nvfp4_on_two_fsdp_ranks(
 def test_v0_3_checkpoint_moves_between_bf16_and_nvfp4_on_two_fsdp_ranks(
     corpus, assets, tmp_path, no_datasets
 ):
-    """The same with 0.3.0 (whose converter leaves FSDP2's all-gather in high precision), on
-    its `partial_dtensor` backend: under its default, `spmd_types`, torch 2.13's `fully_shard`
-    refuses the plain parameters that backend makes (docs/TORCHTITAN.md)."""
+    """The same with 0.3.0, on its `partial_dtensor` backend (under its default, `spmd_types`,
+    torch 2.13's `fully_shard` refuses the plain parameters that backend makes:
+    docs/TORCHTITAN.md). The config's model spec turns on the quantized all-gather
+    (`v0_3.with_quantized_all_gather`, its log line once a rank); torchtitan's checkpointer
+    then reads each `ShardedWeight` as the FP32 tensor it wraps (it crashed on the wrapper's
+    missing storage before the state-dict hook)."""
 
     def titan_args(steps, dump, recipe_args):
         fsdp = ["--parallelism.data_parallel_shard_degree", str(FSDP_RANKS),
@@ -478,5 +481,7 @@ def test_v0_3_checkpoint_moves_between_bf16_and_nvfp4_on_two_fsdp_ranks(
     runs = switches_recipe_at_a_checkpoint(
         titan_args, converter, tmp_path, no_datasets, nproc=FSDP_RANKS
     )
-    for _, _, dump in runs:
+    line = "blockscale: FSDP2 all-gathers 35 linear weights quantized"
+    for recipe, text, dump in runs:
+        assert text.count(line) == FSDP_RANKS * (recipe == "nvfp4"), (recipe, text[-2000:])
         assert_saved_in_row_shards(dump, CONVERTED_LINEAR, FSDP_RANKS)

@@ -20,8 +20,9 @@ sizes; blockscale's layers also run under torchtitan's selective checkpointing.)
   numbers torchtitan prints, for a benchmark to read (`benchmarks/bench_titan.py`).
 - Config functions (`--config NAME`), each a torchtitan config of that model's own registry
   (its optimizer, schedule, loss) with local text, the metrics above logged every step,
-  `hf_assets_path` `.titan-assets/bpe-2k` and checkpoints every 100 steps when enabled
-  (`--checkpoint.enable`):
+  `hf_assets_path` `.titan-assets/bpe-2k`, checkpoints every 100 steps when enabled
+  (`--checkpoint.enable`), and its model spec from `v0_3.with_quantized_all_gather` (under
+  FSDP2 the linears `v0_3.blockscale` converts are gathered quantized; `v0_3` says when):
   `deepseek_v3_debugmodel`, `qwen3_debugmodel_moe`, `llama3_debugmodel` (torchtitan's debug
   models, vocabulary 2048), `deepseek_v3_16b_4l` and `deepseek_v3_small` (flavors below).
 - Flavors, registered into torchtitan 0.3's DeepSeek-V3 flavor table (`deepseekv3_configs`)
@@ -67,6 +68,7 @@ from torchtitan.trainer import Trainer
 
 from blockscale.integrations.titan.local_text import LocalTextDataset, text_files
 from blockscale.integrations.titan.train import METRICS_FILE, JsonlLogger
+from blockscale.integrations.titan.v0_3 import with_quantized_all_gather
 
 DEFAULT_ASSETS = ".titan-assets/bpe-2k"
 
@@ -184,12 +186,13 @@ for _name, _flavor in FLAVORS.items():
 
 
 def _on_local_text(config: Trainer.Config, model_spec: Any) -> Trainer.Config:
-    """`config` (a torchtitan registry's) with `model_spec`, local text and the metrics file;
-    SDPA in place of FlexAttention where there is no GPU (module docstring)."""
+    """`config` (a torchtitan registry's) with `model_spec` (its parallelize function turning
+    on FSDP2's quantized all-gather of blockscale's converted linears), local text and the
+    metrics file; SDPA in place of FlexAttention where there is no GPU (module docstring)."""
     if not torch.cuda.is_available():
         for _, _, parent, attr in list(model_spec.model.traverse(FlexAttention.Config)):
             setattr(parent, attr, ScaledDotProductAttention.Config())
-    config.model_spec = model_spec
+    config.model_spec = with_quantized_all_gather(model_spec)
     vocab = model_spec.model.vocab_size
     for _, loss, _, _ in config.loss.traverse(CrossEntropyLoss.Config):
         loss.global_vocab_size = vocab

@@ -51,35 +51,55 @@ are plain tensors and no mesh is in sight of the module: there the converted exp
 ValueError (`--parallelism.spmd_backend partial_dtensor` runs them) rather than quantize each
 shard alone.
 
-Not done in 0.3: FSDP2's quantized all-gather (`enable_quantized_all_gather`, which the 0.2.2
-converter turns on). A 0.3 converter sees the model config only, before the build: never the
-built model nor the parallel dims, and nothing of torchtitan calls it after the build. Wrapping
-the weight in `BlockscaleLinear`'s constructor would not know whether FSDP2 follows, nor how:
-0.3's default `spmd_backend` ("spmd_types") makes every parameter a local tensor with SPMD type
-annotations and hands those to `fully_shard` with the mesh's data-parallel dims (which torch
-2.13's `fully_shard` refuses: docs/TORCHTITAN.md), a path the quantized all-gather was never
-run on. So under 0.3 FSDP2 gathers the converted linears' weights in torchtitan's
-mixed-precision dtype, and each layer quantizes its gathered weight, as without FSDP (the
-`convert` log says so).
+FSDP2's quantized all-gather (`enable_quantized_all_gather`, which the 0.2.2 converter turns
+on): not by the converter. A 0.3 converter sees the model config only, before the build, never
+the built model nor the parallel dims, and the override path cannot reach further: torchtitan
+applies overrides after the model config's `update_from_config` (the one call that sees the
+trainer's parallelism config) and builds the config object it held before them (trainer.py
+lines 345-367: a replaced root config would not be built); `override` refuses `ModelSpec` as a
+target (config/override.py line 223), and on `partial_dtensor` a model's modules see the
+parallel dims only under TP or EP (`Module.parallelize`, called by
+models/deepseek_v3/parallelize.py line 48 and its siblings), not under FSDP alone. What sees
+both the built meta model and the parallel dims before `fully_shard` is the model spec's
+`parallelize_fn` (trainer.py line 491; under PP, each stage's, distributed/pipeline_parallel.py
+line 111). So `with_quantized_all_gather(model_spec)` gives a spec whose `parallelize_fn`
+(`QuantizedAllGatherParallelize`) first calls `prepare_quantized_all_gather`: where the model
+holds converted linears and FSDP shards (dp_shard or cp above 1), on `partial_dtensor` (which
+applies FSDP2 as 0.2.2 does; `spmd_types` does not run FSDP2 on torch 2.13, `full_dtensor` is
+not tried), without tensor or pipeline parallelism (`quantized_all_gather_reason`; the log
+says which), it makes their weights `ShardedWeight`s, then torchtitan's parallelize runs. A
+config registry (`--module`) puts it on its spec; the `train_v0_3` configs do. Under
+torchtitan's own registries (`--module deepseek_v3`) FSDP2 gathers the converted linears in
+the mixed-precision dtype, as before (the converter's log says so). The `ShardedWeight`s
+survive `to_empty` and `init_weights` (their initializers write in place). torchtitan's DCP
+checkpointer compares the storages of the model's state-dict tensors from one save to the next
+(`components/checkpointer/base.py`, `_shares_storage`), which a wrapper subclass has none of, so
+the prepared model's state dict gives each `ShardedWeight` as the FP32 tensor it wraps
+(`_sharded_weights_as_their_data`, the same storage); a load writes those in place and then
+`load_state_dict`s them into the weights, which counts as a write (the gather-input cache is
+dropped). Tested on 2 gloo ranks (tests/test_titan_fsdp_v0_3.py, tests/test_titan_trainer.py).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.config.override import override
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.protocols.model import BaseModel
+from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.protocols.module import Module
 
 import blockscale.nn as bsnn
+from blockscale.distributed.fsdp import ShardedWeight, enable_quantized_all_gather
 from blockscale.distributed.tp import EVERY_OPERAND, amax_reduction, largest_block
 from blockscale.integrations.titan import (
     DEFAULT_BF16_TAIL_FRACTION,
@@ -306,10 +326,91 @@ class BlockscaleConverter(QuantizationConverter):
         )
         if counts[0]:
             logger.info(
-                "blockscale: under FSDP2 the converted linears' weights are all-gathered in "
-                "high precision (torchtitan 0.3: no quantized all-gather; docs/TORCHTITAN.md)"
+                "blockscale: FSDP2 gathers the converted linears quantized only under a model "
+                "spec from with_quantized_all_gather (the train_v0_3 configs'), else in high "
+                "precision (docs/TORCHTITAN.md)"
             )
         return model_config
+
+
+def quantized_all_gather_reason(parallel_dims: Any) -> str | None:
+    """Why torchtitan's parallelization under `parallel_dims` (its `ParallelDims`) leaves the
+    converted linears' FSDP2 all-gather in high precision, or None when they are gathered
+    quantized (module docstring, "FSDP2's quantized all-gather")."""
+    if not parallel_dims.fsdp_enabled:
+        return "no FSDP sharding (dp_shard and cp are 1)"
+    if parallel_dims.spmd_backend != "partial_dtensor":
+        return (
+            f"spmd_backend {parallel_dims.spmd_backend}: the quantized all-gather runs on "
+            "partial_dtensor, which applies FSDP2 as torchtitan 0.2.2 does"
+        )
+    if parallel_dims.tp_enabled:
+        return "tensor parallelism shards the weights before FSDP"
+    if parallel_dims.pp_enabled:
+        return "pipeline parallelism (not tried with the quantized all-gather)"
+    return None
+
+
+def prepare_quantized_all_gather(model: nn.Module, parallel_dims: Any) -> int:
+    """Before torchtitan parallelizes the meta `model` with `parallel_dims`: turn on FSDP2's
+    quantized all-gather of its converted linears (`enable_quantized_all_gather`) unless
+    `quantized_all_gather_reason` gives a reason, which the log then names. Returns the number
+    of weights prepared (0 also for a model with no converted linear, which is left alone)."""
+    if not any(isinstance(m, bsnn.Linear) and m.recipe.quantized for m in model.modules()):
+        return 0
+    reason = quantized_all_gather_reason(parallel_dims)
+    if reason is not None:
+        logger.info("blockscale: linear weights all-gathered in high precision: %s", reason)
+        return 0
+    count = enable_quantized_all_gather(model)
+    model.register_state_dict_post_hook(_sharded_weights_as_their_data)
+    logger.info("blockscale: FSDP2 all-gathers %d linear weights quantized", count)
+    return count
+
+
+def _sharded_weights_as_their_data(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """State-dict post-hook of a model `prepare_quantized_all_gather` prepared: each
+    `ShardedWeight` (the local tensor of FSDP2's DTensor) given as the FP32 tensor it wraps,
+    the same storage. torchtitan 0.3's checkpointer compares the storages of the state dict's
+    local tensors (`components/checkpointer/base.py`, `_shares_storage`), which a wrapper
+    subclass has none of (module docstring)."""
+    for key, value in state_dict.items():
+        local = value._local_tensor if isinstance(value, DTensor) else value
+        if not isinstance(local, ShardedWeight):
+            continue
+        data = local._data.detach()
+        if isinstance(value, DTensor):
+            data = DTensor.from_local(
+                data, value.device_mesh, value.placements, run_check=False,
+                shape=value.shape, stride=value.stride(),
+            )  # fmt: skip
+        state_dict[key] = data
+
+
+class QuantizedAllGatherParallelize:
+    """A model spec's `parallelize_fn` that calls `prepare_quantized_all_gather` on the model,
+    then the parallelize function it wraps (module docstring, "FSDP2's quantized all-gather")."""
+
+    def __init__(self, parallelize_fn: Any) -> None:
+        self.parallelize_fn = parallelize_fn
+        functools.update_wrapper(self, parallelize_fn)
+
+    def __call__(self, model: nn.Module, *, parallel_dims: Any, **kwargs: Any) -> nn.Module:
+        prepare_quantized_all_gather(model, parallel_dims)
+        return self.parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
+
+
+def with_quantized_all_gather(model_spec: ModelSpec) -> ModelSpec:
+    """`model_spec` with its `parallelize_fn` wrapped in `QuantizedAllGatherParallelize`, so
+    that FSDP2 all-gathers the converted linears' weights quantized where it can (module
+    docstring); a spec already wrapped is returned as it is."""
+    if isinstance(model_spec.parallelize_fn, QuantizedAllGatherParallelize):
+        return model_spec
+    return replace(
+        model_spec, parallelize_fn=QuantizedAllGatherParallelize(model_spec.parallelize_fn)
+    )
 
 
 @override(target=BaseModel.Config, description="blockscale recipe on linears and experts")
