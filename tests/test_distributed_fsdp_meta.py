@@ -271,14 +271,22 @@ def _titan_worker(rank: int, world_size: int) -> None:
     assert len(linears) >= 4
     _assert_sharded_weights(sharded, "after torchtitan's parallelize, to_empty and init")
     assert not any(isinstance(m.weight, ShardedWeight) for m in _quantized_linears(reference))
-    state = {
-        k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sharded.state_dict().items()
-    }
-    reference.load_state_dict(state)
     tokens = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(0))
+    _assert_gathers_quantized(sharded, reference, sharded.state_dict(), tokens)
+
+
+def _assert_gathers_quantized(
+    sharded: nn.Module, reference: nn.Module, state: dict, tokens: torch.Tensor
+) -> None:
+    """`reference` loaded with `state` (`sharded`'s state dict, DTensors gathered), then one
+    forward of each on `tokens`: every converted linear of `sharded` all-gathered once, as
+    NVFP4 codes and scales, and the logits equal bit for bit."""
+    reference.load_state_dict(
+        {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+    )
     with _PreAllGatherLog() as log:
         logits = sharded(tokens)
-    assert len(log.calls) == len(linears)  # each converted linear gathered once, quantized
+    assert len(log.calls) == len(_quantized_linears(sharded))
     for values_in_shard, sent in log.calls:
         assert sent == values_in_shard * SENT_PER_VALUE["nvfp4"]
     assert torch.equal(logits, reference(tokens))

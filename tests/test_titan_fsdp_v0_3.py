@@ -28,9 +28,8 @@ import logging
 import pytest
 import torch
 from test_distributed_fsdp_meta import (
-    SENT_PER_VALUE,
+    _assert_gathers_quantized,
     _assert_sharded_weights,
-    _PreAllGatherLog,
     _quantized_linears,
 )
 from test_titan_expert_parallel import _v0_3_parallelism
@@ -78,15 +77,8 @@ def _titan_worker(rank: int, world_size: int, degrees: dict) -> None:
     saved = wrapper.state_dict()
     wrapper.load_state_dict(saved)  # in place: the ShardedWeights stay
     _assert_sharded_weights(sharded, "after torchtitan's checkpointer loaded its state dict")
-    state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in saved.items()}
-    reference.load_state_dict(state)
     tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
-    with _PreAllGatherLog() as log:
-        logits = sharded(tokens)
-    assert len(log.calls) == len(linears)  # each converted linear gathered once, quantized
-    for values_in_shard, sent in log.calls:
-        assert sent == values_in_shard * SENT_PER_VALUE["nvfp4"]
-    assert torch.equal(logits, reference(tokens))
+    _assert_gathers_quantized(sharded, reference, saved, tokens)
 
 
 @needs_v0_3
