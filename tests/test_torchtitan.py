@@ -1,17 +1,20 @@
 """blockscale's torchtitan converters (blockscale/integrations/titan/) on torchtitan's own debug
 models, built as its trainer builds them (meta device, then `to_empty` and its weight init):
-torchtitan 0.3.x (DeepSeek-V3, Qwen3 MoE, Llama 3) through `v0_3`, 0.2.2 (Llama 4, DeepSeek-V3)
-through `v0_2`. One torchtitan is installed at a time, so each version's tests skip, saying
-why, under the other (.ci/run installs each in turn; docs/TORCHTITAN.md).
+torchtitan 0.3.x (DeepSeek-V3, Qwen3 MoE, Llama 3, gpt-oss) through `v0_3`, 0.2.2 (Llama 4,
+DeepSeek-V3; gpt-oss in tests/test_titan_gpt_oss.py) through `v0_2`. One torchtitan is
+installed at a time, so each version's tests skip, saying why, under the other (.ci/run
+installs each in turn; docs/TORCHTITAN.md).
 
 Exact comparisons are against `blockscale.nn.convert` (or blockscale's ops) on the same weights:
 MXFP8, whose rounding is always to nearest, forward and gradients; NVFP4's forward (its default
 recipe rounds gradients stochastically).
 """
 
+import functools
 import importlib.util
 import subprocess
 import sys
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 import pytest
@@ -90,6 +93,34 @@ def _same_training_step(model, reference):
             assert torch.equal(p.grad, theirs[name].grad), name
 
 
+def dense_attention(q, k, v, allowed, scale=None):
+    """Softmax attention in FP32 on (B, N, L, H) queries and keys / values of N or fewer heads
+    (grouped-query: each key / value head repeated), each query attending to the keys that
+    `allowed` [L, L] marks: the output in the queries' dtype and its log-sum-exp [B, N, L].
+    gpt-oss's stand-in for its varlen / flex attention (`dense_attention_v0_3`,
+    `DenseFlexAttentionV0_2`): attention is not under test, its sinks are (they rescale the
+    output by the log-sum-exp)."""
+    repeats = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeats, 1), v.repeat_interleave(repeats, 1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q.float() @ k.float().transpose(-2, -1)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return (torch.softmax(scores, -1) @ v.float()).to(q.dtype), scores.logsumexp(-1)
+
+
+def window_mask(length, window_size):
+    """[L, L]: which keys each query attends to under a varlen `window_size` (left, right),
+    -1 for no bound."""
+    offset = torch.arange(length)[:, None] - torch.arange(length)[None, :]  # query - key
+    left, right = window_size
+    allowed = torch.ones(length, length, dtype=torch.bool)
+    if left >= 0:
+        allowed &= offset <= left
+    if right >= 0:
+        allowed &= offset >= -right
+    return allowed
+
+
 def test_importing_blockscale_and_the_policy_imports_no_torchtitan():
     """The integration is optional: blockscale and the version-free policy import without
     torchtitan; only a version's module imports it."""
@@ -116,24 +147,71 @@ def test_titan_policy_names():
 
 # torchtitan 0.3.x: the converter on the model config, before the meta build.
 
-MODELS_V0_3 = [("deepseek_v3", "debugmodel"), ("qwen3", "debugmodel_moe"), ("llama3", "debugmodel")]
+MODELS_V0_3 = [
+    ("deepseek_v3", "debugmodel"),
+    ("qwen3", "debugmodel_moe"),
+    ("llama3", "debugmodel"),
+    ("gpt_oss", "debugmodel"),
+]
+
+
+# torchtitan 0.3.0's gpt-oss experts return BF16 whatever their input (torchtitan's own
+# `GroupedExperts` return the input's dtype), which its token combine scatters into a tensor of
+# the input's dtype: with FP32 activations torchtitan's own model fails there ("scatter():
+# Expected self.dtype to be equal to src.dtype"). Built with BF16 weights, as under FSDP2's
+# BF16 mixed precision.
+BF16_WEIGHTS_V0_3 = {"gpt_oss"}
+
+
+@functools.cache
+def dense_attention_v0_3():
+    """A torchtitan 0.3 inner attention computing `dense_attention` under a varlen config's
+    causal window, its output through the caller's `out_transform` (gpt-oss's sinks), as
+    `VarlenAttention` gives it: gpt-oss's stand-in for varlen attention, which PyTorch runs
+    on CUDA only, from metadata the trainer builds (a model called on tokens alone has none)."""
+    from torchtitan.protocols.module import Module
+
+    class DenseAttention(Module):
+        @dataclass(kw_only=True, slots=True)
+        class Config(Module.Config):
+            window_size: tuple[int, int] = (-1, 0)
+
+        def __init__(self, config):
+            super().__init__()
+            self.window_size = config.window_size
+
+        def forward(self, q, k, v, *, scale=None, out_transform=None, **kwargs):
+            allowed = window_mask(q.shape[1], self.window_size)
+            qkv = (t.transpose(1, 2) for t in (q, k, v))  # (B, L, N, H) -> (B, N, L, H)
+            out, lse = dense_attention(*qkv, allowed, scale)
+            out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+            return out if out_transform is None else out_transform(out, lse)
+
+    return DenseAttention
 
 
 def build_v0_3(name, flavor, converter=None, seed=0, parallelism=None, parallelize=None):
     """torchtitan's model, built as its trainer builds it, with SDPA in place of FlexAttention
-    (whose backward PyTorch does not implement on the CPU; attention is not under test).
+    (whose backward PyTorch does not implement on the CPU) and `dense_attention_v0_3` in place
+    of varlen attention (gpt-oss's; CUDA only): attention is not under test.
     As the trainer, where given: the model config's `update_from_config` with `parallelism` (a
     `ParallelismConfig`; it sets the modules' sharding configs), and `parallelize(model)` on
     the meta model (the distributed tests)."""
     import importlib
     from types import SimpleNamespace
 
-    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+    from torchtitan.models.common.attention import (
+        FlexAttention,
+        ScaledDotProductAttention,
+        VarlenAttention,
+    )
 
     registry = importlib.import_module(f"torchtitan.models.{name}").model_registry
     config = registry(flavor, converters=None if converter is None else [converter]).model
     for _, _, parent, attr in list(config.traverse(FlexAttention.Config)):
         setattr(parent, attr, ScaledDotProductAttention.Config())
+    for _, cfg, parent, attr in list(config.traverse(VarlenAttention.Config)):
+        setattr(parent, attr, dense_attention_v0_3().Config(window_size=cfg.window_size))
     if parallelism is not None:
         config.update_from_config(config=SimpleNamespace(parallelism=parallelism))
     with torch.device("meta"):
@@ -145,13 +223,15 @@ def build_v0_3(name, flavor, converter=None, seed=0, parallelism=None, paralleli
     torch.manual_seed(seed)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
+    if name in BF16_WEIGHTS_V0_3:
+        model.to(torch.bfloat16)
     return model
 
 
 @needs_v0_3
 @pytest.mark.parametrize(("name", "flavor"), MODELS_V0_3)
 def test_v0_3_converter_converts_by_the_policy_and_trains(name, flavor):
-    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.linear import Linear, ScaledBiasRowwiseLinear
     from torchtitan.models.common.moe import GroupedExperts
 
     from blockscale.integrations.titan.v0_3 import BlockscaleConverter, BlockscaleLinear
@@ -162,11 +242,14 @@ def test_v0_3_converter_converts_by_the_policy_and_trains(name, flavor):
         block = fqn.split(".")[1] if fqn.startswith("layers.") else None
         if isinstance(module, Linear | BlockscaleLinear):
             quantized = block not in (None, tail) and not fqn.endswith("router.gate")
+            # gpt-oss's attention output: a forward of its own (a bias scaled by the TP degree)
+            quantized &= not isinstance(module, ScaledBiasRowwiseLinear)
             assert isinstance(module, BlockscaleLinear) == quantized, fqn
             assert not quantized or module.recipe.name == "nvfp4"
         if isinstance(module, GroupedExperts):
             assert type(module).__name__.startswith("Blockscale") == (block != tail), fqn
-    assert sum(isinstance(m, BlockscaleLinear) for m in model.modules()) >= 4
+    # at the least, gpt-oss's: one fused qkv in each of the 3 blocks converted
+    assert sum(isinstance(m, BlockscaleLinear) for m in model.modules()) >= 3
     assert_trains(train(model))
 
 

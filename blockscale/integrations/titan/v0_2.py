@@ -50,6 +50,20 @@ torchtitan's layouts add up, as in its own forward. The slice must hold whole bl
 NVFP4, 32 for MXFP8; checked at the first forward, with an error naming the rule). Weights
 placed any other way keep torchtitan's own forward, in BF16 (the router warns).
 
+gpt-oss (`GptOssGroupedExperts`, a class of its own in 0.2.2: fused gate / up weight, biases,
+a clamped SwiGLU; `torch._grouped_mm` on its two 3D weights, the biases added in BF16 between
+and after): `convert` routes its two weights as any experts module's, so each quantized
+expert weight computes what blockscale's grouped GEMM computes, the biases and the activation
+as torchtitan has them. Its forward pads the token groups as `GroupedExperts.forward` does,
+through the same CUDA-only kernel, so the converter skips it as it does there
+(`UnpaddedGptOssGroupedExperts`: torchtitan's `_run_experts_grouped_mm` of gpt-oss on the
+unpadded groups). Under expert or tensor parallelism gpt-oss's experts stay in BF16, with a
+logged reason (`gpt_oss_parallel_reason`): `ExpertParallelShards` binds `w1`, `w2`, `w3`,
+and gpt-oss's forward also reads its TP degree off its DTensor weights (its second bias is
+divided by it), so binding local shards would add that bias once a rank. Their routed
+`GroupedMM`s (BF16) are kept on the model root as the other experts' are, so torchtitan's
+experts partition functions, which read the weights off every submodule, still run.
+
 Under FSDP (`parallel_dims.fsdp_enabled`: dp_shard or cp above 1, the condition on which
 torchtitan's parallelize calls `fully_shard`) the converter also calls
 `blockscale.distributed.enable_quantized_all_gather` on the converted meta model, so FSDP2
@@ -69,6 +83,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+from torchtitan.models.gpt_oss.model.moe import GptOssGroupedExperts
+from torchtitan.models.gpt_oss.model.moe import (
+    _run_experts_grouped_mm as _run_gpt_oss_experts_grouped_mm,
+)
 from torchtitan.models.moe.moe import GroupedExperts, _run_experts_grouped_mm
 from torchtitan.protocols.model_converter import register_model_converter
 
@@ -123,6 +141,36 @@ class UnpaddedGroupedExperts(GroupedExperts):
         if isinstance(self.w1, DTensor) or not self.use_grouped_mm:
             return super().forward(x, num_tokens_per_expert)
         return _run_experts_grouped_mm(self.w1, self.w2, self.w3, x, num_tokens_per_expert)
+
+
+class UnpaddedGptOssGroupedExperts(GptOssGroupedExperts):
+    """0.2.2's gpt-oss experts without their token-group padding (module docstring, "gpt-oss")."""
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.mlp1_weight, DTensor) or not self.use_grouped_mm:
+            return super().forward(x, num_tokens_per_expert)
+        return _run_gpt_oss_experts_grouped_mm(
+            self.mlp1_weight, self.mlp1_bias, self.mlp2_weight, self.mlp2_bias,
+            self.swiglu_limit, x, num_tokens_per_expert,
+        )  # fmt: skip
+
+
+UNPADDED = {
+    GroupedExperts: UnpaddedGroupedExperts,
+    GptOssGroupedExperts: UnpaddedGptOssGroupedExperts,
+}
+
+
+def gpt_oss_parallel_reason(parallel_dims: Any) -> str | None:
+    """Why the converter keeps gpt-oss's experts in BF16 under `parallel_dims`, or None
+    (module docstring, "gpt-oss")."""
+    if parallel_dims is None or not (parallel_dims.ep_enabled or parallel_dims.tp_enabled):
+        return None
+    return (
+        "gpt-oss's experts under expert or tensor parallelism (blockscale runs the local "
+        "shards of GroupedExperts' w1, w2, w3 only; gpt-oss's forward also divides a bias by "
+        "the TP degree it reads off its DTensor weights)"
+    )
 
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
@@ -247,7 +295,7 @@ def hold_grouped_mms_at_root(model: nn.Module) -> int:
     moved = [
         (fqn, module)
         for fqn, module in model.named_modules()
-        if isinstance(module, UnpaddedGroupedExperts) and "grouped_mms" in module._modules
+        if isinstance(module, tuple(UNPADDED.values())) and "grouped_mms" in module._modules
     ]
     if not moved:
         return 0
@@ -297,10 +345,19 @@ class BlockscaleConverter:
             return
         policy = model_policy(model, self.options)
         for module in model.modules():
-            if type(module) is GroupedExperts:
+            if type(module) in UNPADDED:
                 # convert routes every experts module (BF16 ones through torch's grouped GEMM)
-                module.__class__ = UnpaddedGroupedExperts
-        bsnn.convert(model, self.recipe, module_filter_fn=policy)
+                module.__class__ = UNPADDED[type(module)]
+        kept = gpt_oss_parallel_reason(self.parallel_dims)
+
+        def wanted(module: nn.Module, fqn: str) -> bool:
+            if kept is None or not isinstance(module, GptOssGroupedExperts):
+                return policy(module, fqn)
+            if policy(module, fqn):
+                logger.warning("%s stays in high precision: %s", fqn, kept)
+            return False
+
+        bsnn.convert(model, self.recipe, module_filter_fn=wanted)
         if not self.options.weight_cache:
             bsnn.set_weight_cache(model, False)
         for module in model.modules():

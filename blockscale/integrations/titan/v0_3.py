@@ -20,7 +20,8 @@ What it builds are torchtitan `Module`s, as the trainer requires of every submod
   trusted).
 
 Layers whose dims do not fit the recipe's blocks stay as they are, with a warning, as in
-`convert`.
+`convert`; so do `Linear` subclasses with a forward of their own (`own_forward_reason`:
+gpt-oss's attention output, whose bias a TP degree divides), which `convert` leaves alone.
 
 Expert parallelism needs nothing more: 0.3's experts forward takes the weights' local shards
 (`to_local()` of the DTensors EP makes, `Shard(0)` on "ep") and calls the `_grouped_mm` seam,
@@ -249,6 +250,20 @@ def _refuse_plain_shards(module: Any) -> None:
             )
 
 
+def own_forward_reason(config: Any) -> str | None:
+    """Why the linear a `Linear.Config` subclass builds is no plain linear, or None: its class
+    has a forward of its own (gpt-oss's attention output, `ScaledBiasRowwiseLinear`, divides
+    its bias by the TP degree), which a `BlockscaleLinear` would drop. `blockscale.nn.convert`
+    leaves such a linear alone, and so does the converter."""
+    owner = type(config)._owner
+    if owner is None or owner.forward is nn.Linear.forward:
+        return None
+    return (
+        f"{owner.__name__} has a forward of its own, not a plain linear's "
+        "(blockscale.nn.convert leaves it alone too)"
+    )
+
+
 def _replace(root: Any, parent: Any, attr: Any, new: Any) -> Any:
     """Put `new` where the traversal found a config; returns the (possibly new) root."""
     if parent is None:
@@ -294,7 +309,9 @@ class BlockscaleConverter(QuantizationConverter):
             counts[1] += 1
             if isinstance(cfg, BlockscaleLinear.Config) or not policy(cfg, fqn):
                 continue
-            reason = unsupported_reason(cfg.in_features, cfg.out_features, self.recipe)
+            reason = own_forward_reason(cfg) or unsupported_reason(
+                cfg.in_features, cfg.out_features, self.recipe
+            )
             if reason is not None:
                 logger.warning("%s stays in high precision: %s", fqn, reason)
                 continue
