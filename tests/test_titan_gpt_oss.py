@@ -22,6 +22,8 @@ import pytest
 import torch
 from test_torchtitan import (
     assert_trains,
+    assert_v0_2_linears_by_the_policy,
+    block_of,
     build_v0_2,
     dense_attention,
     histc_on_cpu,  # noqa: F401 (a fixture)
@@ -110,16 +112,12 @@ def test_v0_2_gpt_oss_converter_converts_by_the_policy_and_trains():
     from blockscale.integrations.titan.v0_2 import UnpaddedGptOssGroupedExperts
 
     model = build_v0_2("gpt_oss")
-    tail = str(len(model.layers) - 1)
+    tail = assert_v0_2_linears_by_the_policy(model)
     for fqn, module in model.named_modules():
-        block = fqn.split(".")[1] if fqn.startswith("layers.") else None
-        if isinstance(module, nn.Linear):
-            quantized = block not in (None, tail) and not fqn.endswith("router.gate")
-            assert isinstance(module, bsnn.Linear) == quantized, fqn
         if fqn.endswith("moe.experts"):
             assert isinstance(module, UnpaddedGptOssGroupedExperts), fqn
             recipes_of = {name: m.recipe.name for name, m in module.grouped_mms.items()}
-            expected = "bf16" if block == tail else "nvfp4"
+            expected = "bf16" if block_of(fqn) == tail else "nvfp4"
             assert recipes_of == {"mlp1_weight": expected, "mlp2_weight": expected}, fqn
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")

@@ -406,24 +406,37 @@ def build_v0_2_from(
     return model
 
 
+def block_of(fqn):
+    """The block index of a torchtitan module name (`layers.<n>....`), or None outside them."""
+    return fqn.split(".")[1] if fqn.startswith("layers.") else None
+
+
+def assert_v0_2_linears_by_the_policy(model):
+    """Every `nn.Linear` of a converted 0.2.2 model is a blockscale Linear where the policy
+    converts (the blocks but the last, not the router gates) and only there; returns the last
+    block's index."""
+    from torch import nn
+
+    tail = str(len(model.layers) - 1)
+    for fqn, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            quantized = block_of(fqn) not in (None, tail) and not fqn.endswith("router.gate")
+            assert isinstance(module, bsnn.Linear) == quantized, fqn
+    return tail
+
+
 @needs_v0_2
 @pytest.mark.usefixtures("histc_on_cpu")
 @pytest.mark.parametrize("name", MODELS_V0_2)
 def test_v0_2_converter_converts_by_the_policy_and_trains(name):
-    from torch import nn
-
     from blockscale.integrations.titan.v0_2 import UnpaddedGroupedExperts
 
     model = build_v0_2(name)
-    tail = str(len(model.layers) - 1)
+    tail = assert_v0_2_linears_by_the_policy(model)
     for fqn, module in model.named_modules():
-        block = fqn.split(".")[1] if fqn.startswith("layers.") else None
-        if isinstance(module, nn.Linear):
-            quantized = block not in (None, tail) and not fqn.endswith("router.gate")
-            assert isinstance(module, bsnn.Linear) == quantized, fqn
         if isinstance(module, UnpaddedGroupedExperts):
             recipes_of = {m.recipe.name for m in module.grouped_mms.values()}
-            assert recipes_of == ({"bf16"} if block == tail else {"nvfp4"}), fqn
+            assert recipes_of == ({"bf16"} if block_of(fqn) == tail else {"nvfp4"}), fqn
     assert any(isinstance(m, UnpaddedGroupedExperts) for m in model.modules())
     assert_trains(train(model))
 
