@@ -30,6 +30,9 @@ that stalls or ends past the limit is reported as compile_timeout and the run go
 the number of kernel launches and the host time; with --out they go into the JSON too.
 --memory-peak (CUDA) records one more step's allocations and reports the highest point: its
 GiB, the allocation that reached it and what is live there, grouped by the code that made it.
+--memory process takes each row's peak_gib from a process that runs only that model, mode and
+recipe (the run's other options passed on, --memory-steps timed steps after one), so no recipe
+inherits another's cached blocks; the shared process's peaks stay as peak_gib_shared.
 
     python benchmarks/bench_model.py --models llama-1b --recipes bf16,nvfp4,mxfp8 \\
         --batch-size 8 --seq-len 2048 --out results/bench_model_llama1b.json
@@ -535,11 +538,46 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default=None)
     parser.add_argument("--quick", action="store_true",
                         help="CPU smoke test: batch 2, sequence 32, 1 warm-up, 2 steps")  # fmt: skip
+    parser.add_argument("--memory", choices=["inline", "process"], default="inline",
+                        help="peak_gib from this process (the default: each recipe after the "
+                             "ones before it) or from a process per model, mode and recipe "
+                             "(each alone; the shared process's peaks become peak_gib_shared)")  # fmt: skip
+    parser.add_argument("--memory-steps", type=int, default=2, help="timed steps per process")
+    parser.add_argument("--memory-timeout", type=float, default=300.0, help="s per process")
     parser.add_argument("--out", metavar="PATH", help="write the rows as JSON")
+    parser.add_argument("--child-json", metavar="PATH", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.out = args.child_json or args.out
     if args.quick:
         args.batch_size, args.seq_len, args.warmup, args.steps = 2, 32, 1, 2
     return args
+
+
+# the options a process of one model, mode and recipe (--memory process) does not take from
+# the run that starts it, with whether each takes a value
+NOT_PASSED_ON = {"--models": True, "--recipes": True, "--steps": True, "--warmup": True,
+                 "--out": True, "--memory": True, "--memory-steps": True,
+                 "--memory-timeout": True, "--eager": False, "--compile": False,
+                 "--profile": False, "--cprofile": False, "--memory-peak": False}  # fmt: skip
+
+
+def alone_argv(given: list[str], name: str, mode: str, recipe: str, args) -> list[str]:
+    """The arguments of the process that measures one model, mode and recipe alone: the run's
+    own (every switch and shape that changes what a step holds), less the rows, timing,
+    profiling and output options, then that row's, `--memory-steps` timed steps after one."""
+    kept: list[str] = []
+    skip = False
+    for arg in given:
+        if skip:
+            skip = False
+            continue
+        option, equals, _ = arg.partition("=")
+        if option in NOT_PASSED_ON:
+            skip = NOT_PASSED_ON[option] and not equals
+            continue
+        kept.append(arg)
+    return [*kept, "--models", name, "--recipes", recipe, f"--{mode}", "--memory", "inline",
+            "--warmup", "1", "--steps", str(args.memory_steps)]  # fmt: skip
 
 
 def set_activation_codes(full: bool) -> None:
@@ -556,7 +594,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if unknown:
         raise SystemExit(f"unknown models {unknown}; choose from {', '.join(MODELS)}")
     names = [r.strip() for r in args.recipes.split(",") if r.strip()]
-    names = ["bf16"] + [r for r in names if r != "bf16"]  # ratios need BF16 in this run
+    if args.child_json is None:
+        names = ["bf16"] + [r for r in names if r != "bf16"]  # ratios need BF16 in this run
     for r in names:
         recipes.get(r)  # an unknown name fails before any model is built
     modes = ["eager"] if args.eager else ["compile"] if args.compile else ["eager", "compile"]
@@ -574,28 +613,45 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     tiles.apply(args)
     info = harness.banner(device)
     rows: list[dict[str, Any]] = []
+
+    def record() -> None:  # after every row: a run cut short keeps the rows it finished
+        add_ratios(rows)
+        if args.out:
+            harness.write_json(args.out, {
+                "benchmark": "model", "banner": info,
+                "argv": sys.argv[1:] if argv is None else argv,
+                "batch_size": args.batch_size, "seq_len": args.seq_len,
+                "inline_triton": args.inline_triton, "shared_input": not args.no_shared_input,
+                "recompute_weight": not args.no_recompute_weight,
+                "input_cast": not args.no_input_cast,
+                "cublas_bf16_out": dispatch.CUBLAS_BF16_OUT,
+                "fp32_fused_max_k": dispatch.FUSED_FP32_MAX_K,
+                "replaced": args.replaced, "tiles": args.tiles, "band": tiles.band(),
+                "compile_mode": args.compile_mode, "memory": args.memory, "rows": rows})  # fmt: skip
+
+    alone = args.memory == "process" and args.child_json is None
     for name in models:
         for mode in modes:
             for recipe in names:
                 row = run_case(name, MODELS[name], mode, recipe, args, device)
+                if alone:
+                    row["peak_gib_shared"] = row.pop("peak_gib", None)
                 rows.append(row)
                 figures = ", ".join(f"{k}={harness.fmt(row.get(k))}" for k in
                                     ("first_s", "step_ms", "tokens_per_s", "peak_gib", "host_ms"))  # fmt: skip
                 print(f"  {name} {mode} {recipe}: {figures} [{row['status']}]", flush=True)
-                if args.out:  # after every row: a run cut short keeps the rows it finished
-                    add_ratios(rows)
-                    record = {"benchmark": "model", "banner": info,
-                              "argv": sys.argv[1:] if argv is None else argv,
-                              "batch_size": args.batch_size, "seq_len": args.seq_len,
-                              "inline_triton": args.inline_triton,
-                              "shared_input": not args.no_shared_input,
-                              "recompute_weight": not args.no_recompute_weight,
-                              "input_cast": not args.no_input_cast,
-                              "cublas_bf16_out": dispatch.CUBLAS_BF16_OUT,
-                              "fp32_fused_max_k": dispatch.FUSED_FP32_MAX_K,
-                              "replaced": args.replaced, "tiles": args.tiles, "band": tiles.band(),
-                              "compile_mode": args.compile_mode, "rows": rows}  # fmt: skip
-                    harness.write_json(args.out, record)
+                record()
+            if alone:
+                given = sys.argv[1:] if argv is None else argv
+                for row in rows[-len(names) :]:
+                    child = alone_argv(given, name, mode, row["recipe"], args)
+                    found = harness.row_alone(__file__, child, args.memory_timeout)
+                    row["peak_gib"] = found.get("peak_gib")
+                    if found["status"] != "ok":
+                        row["memory_status"] = found["status"]
+                    print(f"  {name} {mode} {row['recipe']} alone: peak_gib="
+                          f"{harness.fmt(row['peak_gib'])} [{found['status']}]", flush=True)  # fmt: skip
+                record()
     add_ratios(rows)
     print_profiles(rows)
     print(f"\nB={args.batch_size} T={args.seq_len}, ratios to BF16 in the same mode and run")

@@ -94,10 +94,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -280,35 +277,27 @@ def run_case(name: str, mode: str, recipe: str, args, device: torch.device) -> d
 
 def peak_alone(name: str, mode: str, recipe: str, args) -> dict[str, Any]:
     """Run one model, mode and recipe in a process of its own: its row (peak_gib, status)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "row.json"
-        command = [sys.executable, str(Path(__file__).resolve()), "--child-json", str(out),
-                   "--models", name, "--recipes", recipe, f"--{mode}", "--memory", "none",
-                   "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-                   "--warmup", "1", "--steps", str(args.memory_steps),
-                   "--compile-timeout", str(args.compile_timeout)]  # fmt: skip
-        if args.no_weight_cache:
-            command.append("--no-weight-cache")
-        command += ["--bf16-tail-fraction", str(args.bf16_tail_fraction)]
-        if args.compile_mode:
-            command += ["--compile-mode", args.compile_mode]
-        if args.fp32_grad_weight_launch:
-            command += ["--fp32-grad-weight-launch", args.fp32_grad_weight_launch]
-        if args.activation_codes:
-            command.append("--activation-codes")
-        for switch in args.grouped_gemm_switch:
-            command += ["--grouped-gemm-switch", switch]
-        if args.device:
-            command += ["--device", args.device]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True,
-                                  timeout=args.memory_timeout)  # fmt: skip
-        except subprocess.TimeoutExpired:
-            return {"status": f"memory process ran past {args.memory_timeout:.0f} s"}
-        if done.returncode != 0 or not out.exists():
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
-            return {"status": f"memory process exited {done.returncode}: {tail[0][:200]}"}
-        return json.loads(out.read_text())["rows"][0]
+    command = ["--models", name, "--recipes", recipe, f"--{mode}", "--memory", "none",
+               "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+               "--warmup", "1", "--steps", str(args.memory_steps),
+               "--compile-timeout", str(args.compile_timeout)]  # fmt: skip
+    if args.no_weight_cache:
+        command.append("--no-weight-cache")
+    command += ["--bf16-tail-fraction", str(args.bf16_tail_fraction)]
+    if args.compile_mode:
+        command += ["--compile-mode", args.compile_mode]
+    if args.fp32_grad_weight_launch:
+        command += ["--fp32-grad-weight-launch", args.fp32_grad_weight_launch]
+    if args.activation_codes:
+        command.append("--activation-codes")
+    for switch in args.grouped_gemm_switch:
+        command += ["--grouped-gemm-switch", switch]
+    if args.device:
+        command += ["--device", args.device]
+    alone = harness.row_alone(__file__, command, args.memory_timeout)
+    if "model" not in alone:  # no row: say which process
+        alone["status"] = "memory " + alone["status"]
+    return alone
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:

@@ -19,6 +19,9 @@ What a script gets from here:
   (a BF16 GEMM of that shape).
 - `print_table(rows, columns)` and `write_json(path, record)`; `add_common_args(parser)` adds
   the flags every script shares (`--json`, `--quick`, `--warmup`, `--reps`, `--device`).
+- `row_alone(script, argv, timeout)`: a whole-model script's one row from a process of its own
+  (peak memory of one recipe alone: a recipe run after others in one process inherits their
+  allocator's cached blocks and fragmentation).
 
 Scripts report ratios measured side by side (ours / BF16, achieved / ceiling), never absolute
 numbers alone: the absolute numbers move from machine to machine.
@@ -32,6 +35,9 @@ import json
 import math
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -308,3 +314,21 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--reps", type=int, default=None, help="timed calls (median reported)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     return parser
+
+
+def row_alone(script: str | Path, argv: list[str], timeout: float) -> dict[str, Any]:
+    """Run `script` with `argv` and `--child-json PATH` in a process of its own and return the
+    first row it wrote there, or {"status": why not} where it ran past `timeout` seconds or
+    exited without one (the last line it printed)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        command = [sys.executable, str(Path(script).resolve()), *argv, "--child-json", str(out)]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"status": f"process ran past {timeout:.0f} s"}
+        rows = json.loads(out.read_text())["rows"] if out.exists() else []
+        if done.returncode != 0 or not rows:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
+            return {"status": f"process exited {done.returncode}: {tail[0][:200]}"}
+        return rows[0]

@@ -13,11 +13,13 @@ checked bit for bit in tests/test_compile.py.
 """
 
 import importlib
+import json
 import logging
 import signal
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -252,6 +254,40 @@ def test_bench_model_runs_on_the_cpu(tmp_path, capsys):
         assert r["profile"]["top_host_ops"] and r["profile"]["wall_ms"] > 0
     assert out.exists()
     assert "tok_vs_bf16" in capsys.readouterr().out.splitlines()[-len(rows) - 2]  # table last
+
+
+def test_bench_model_memory_process_runs_each_row_alone(tmp_path, capsys):
+    """--memory process: after a model and mode's rows, one process per recipe runs that row
+    alone with the run's other options (each prints its row; no memory_status means it
+    wrote one), and the shared process's peaks move to peak_gib_shared (on the CPU there are
+    none: peak_gib is CUDA's allocator)."""
+    out = tmp_path / "rows.json"
+    rows = bench_model().main(["--models", "llama-tiny", "--recipes", "nvfp4", "--eager",
+                               "--quick", "--no-shared-input", "--memory", "process",
+                               "--memory-steps", "1", "--out", str(out)])  # fmt: skip
+    assert [r["recipe"] for r in rows] == ["bf16", "nvfp4"]
+    for r in rows:
+        assert r["status"] == "ok" and "memory_status" not in r, r
+        assert "peak_gib_shared" in r and r["peak_gib"] is None
+    printed = capsys.readouterr().out
+    assert "llama-tiny eager bf16 alone: peak_gib=- [ok]" in printed
+    assert "llama-tiny eager nvfp4 alone: peak_gib=- [ok]" in printed
+    assert json.loads(out.read_text())["memory"] == "process"
+
+
+def test_bench_model_memory_process_arguments():
+    """What the process of one row is given: the run's switches and shape, not its rows,
+    timing, profiling or output options (either spelling of an option with a value)."""
+    given = ["--models", "llama-1b,llama-8b", "--recipes=bf16,nvfp4", "--compile", "--profile",
+             "--batch-size", "2", "--steps", "6", "--warmup=2", "--no-shared-input",
+             "--compile-mode", "reduce-overhead", "--memory", "process", "--out", "x.json",
+             "--memory-steps", "3", "--layers", "8"]  # fmt: skip
+    args = SimpleNamespace(memory_steps=3)
+    assert bench_model().alone_argv(given, "llama-8b", "compile", "nvfp4", args) == [
+        "--batch-size", "2", "--no-shared-input", "--compile-mode", "reduce-overhead",
+        "--layers", "8", "--models", "llama-8b", "--recipes", "nvfp4", "--compile",
+        "--memory", "inline", "--warmup", "1", "--steps", "3",
+    ]  # fmt: skip
 
 
 def test_bench_model_reports_a_compile_that_runs_out_of_time(monkeypatch):
