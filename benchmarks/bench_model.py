@@ -630,6 +630,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 "compile_mode": args.compile_mode, "memory": args.memory, "rows": rows})  # fmt: skip
 
     alone = args.memory == "process" and args.child_json is None
+    given = sys.argv[1:] if argv is None else argv
     for name in models:
         for mode in modes:
             for recipe in names:
@@ -642,15 +643,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 print(f"  {name} {mode} {recipe}: {figures} [{row['status']}]", flush=True)
                 record()
             if alone:
-                given = sys.argv[1:] if argv is None else argv
-                for row in rows[-len(names) :]:
-                    child = alone_argv(given, name, mode, row["recipe"], args)
-                    found = harness.row_alone(__file__, child, args.memory_timeout)
-                    row["peak_gib"] = found.get("peak_gib")
-                    if found["status"] != "ok":
-                        row["memory_status"] = found["status"]
-                    print(f"  {name} {mode} {row['recipe']} alone: peak_gib="
-                          f"{harness.fmt(row['peak_gib'])} [{found['status']}]", flush=True)  # fmt: skip
+
+                def run(recipe: str, name: str = name, mode: str = mode) -> dict[str, Any]:
+                    child = alone_argv(given, name, mode, recipe, args)
+                    return harness.row_alone(__file__, child, args.memory_timeout)
+
+                harness.take_peaks_alone(rows[-len(names) :], run)
                 record()
     add_ratios(rows)
     print_profiles(rows)

@@ -430,13 +430,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 print(f"  {name} {mode} {recipe}: {figures} [{row['status']}]", flush=True)
                 record()  # after every row: a run cut short keeps the rows it finished
             if args.memory == "process":
-                for row in rows[-len(names) :]:
-                    alone = peak_alone(name, mode, row["recipe"], args)
-                    row["peak_gib"] = alone.get("peak_gib")
-                    if alone["status"] != "ok":
-                        row["memory_status"] = alone["status"]
-                    print(f"  {name} {mode} {row['recipe']} alone: peak_gib="
-                          f"{harness.fmt(row['peak_gib'])} [{alone['status']}]", flush=True)  # fmt: skip
+                harness.take_peaks_alone(
+                    rows[-len(names) :],
+                    lambda recipe, name=name, mode=mode: peak_alone(name, mode, recipe, args),
+                )
                 record()
     print(f"\nB={args.batch_size} T={args.seq_len}, tokens/s ratios to the cast BF16 baseline "
           f"in one process; peak memory: {args.memory}")  # fmt: skip

@@ -21,7 +21,8 @@ What a script gets from here:
   the flags every script shares (`--json`, `--quick`, `--warmup`, `--reps`, `--device`).
 - `row_alone(script, argv, timeout)`: a whole-model script's one row from a process of its own
   (peak memory of one recipe alone: a recipe run after others in one process inherits their
-  allocator's cached blocks and fragmentation).
+  allocator's cached blocks and fragmentation); `take_peaks_alone(rows, run)` fills rows' peaks
+  from such processes.
 
 Scripts report ratios measured side by side (ours / BF16, achieved / ceiling), never absolute
 numbers alone: the absolute numbers move from machine to machine.
@@ -332,3 +333,16 @@ def row_alone(script: str | Path, argv: list[str], timeout: float) -> dict[str, 
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
             return {"status": f"process exited {done.returncode}: {tail[0][:200]}"}
         return rows[0]
+
+
+def take_peaks_alone(rows: list[dict[str, Any]], run: Callable[[str], dict[str, Any]]) -> None:
+    """Each row's (one model and mode, a recipe each) peak_gib from `run(recipe)`, a row from a
+    process of its own (`row_alone`), and its memory_status where that process gave none;
+    printed as they come."""
+    for row in rows:
+        found = run(row["recipe"])
+        row["peak_gib"] = found.get("peak_gib")
+        if found["status"] != "ok":
+            row["memory_status"] = found["status"]
+        print(f"  {row['model']} {row['mode']} {row['recipe']} alone: "
+              f"peak_gib={fmt(row['peak_gib'])} [{found['status']}]", flush=True)  # fmt: skip
