@@ -30,11 +30,14 @@ padding dispatcher).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from torch import nn
 
+import blockscale.nn as bsnn
+from blockscale.distributed.fsdp import enable_quantized_all_gather
 from blockscale.nn import DEFAULT_BF16_NAMES, LayerPolicy, block_policy
 
 DEFAULT_RECIPE = "nvfp4"
@@ -77,3 +80,19 @@ def titan_policy(
     in order (module docstring)."""
     layers = block_policy("layers", block_names, bf16_tail_fraction, bf16_names=bf16_names)
     return TitanPolicy(layers, tuple(fqns), tuple(bf16_fqns))
+
+
+def gather_quantized_unless(model: nn.Module, reason: str | None, logger: logging.Logger) -> int:
+    """FSDP2's quantized all-gather of the converted (meta) `model`'s linears
+    (`enable_quantized_all_gather`) where `reason` is None, else `logger` says why they are
+    gathered in high precision; a model whose only converted layers are experts is left
+    alone. Each version's converter says when FSDP2 follows (its `quantized_all_gather_reason`).
+    Returns the number of weights prepared."""
+    if not any(isinstance(m, bsnn.Linear) and m.recipe.quantized for m in model.modules()):
+        return 0
+    if reason is not None:
+        logger.info("blockscale: linear weights all-gathered in high precision: %s", reason)
+        return 0
+    count = enable_quantized_all_gather(model)
+    logger.info("blockscale: FSDP2 all-gathers %d linear weights quantized", count)
+    return count

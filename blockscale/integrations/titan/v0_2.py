@@ -91,12 +91,12 @@ from torchtitan.models.moe.moe import GroupedExperts, _run_experts_grouped_mm
 from torchtitan.protocols.model_converter import register_model_converter
 
 import blockscale.nn as bsnn
-from blockscale.distributed.fsdp import enable_quantized_all_gather
 from blockscale.distributed.tp import COLWISE, ROWWISE, expert_reductions, largest_block
 from blockscale.integrations.titan import (
     DEFAULT_BF16_TAIL_FRACTION,
     DEFAULT_RECIPE,
     TitanPolicy,
+    gather_quantized_unless,
     titan_policy,
 )
 from blockscale.recipes import get as get_recipe
@@ -365,14 +365,7 @@ class BlockscaleConverter:
             if routed and not isinstance(module, ExpertParallelShards):
                 module.__class__ = _expert_parallel_class(type(module))
         hold_grouped_mms_at_root(model)
-        if not any(isinstance(m, bsnn.Linear) and m.recipe.quantized for m in model.modules()):
-            return  # only experts converted: nothing to gather quantized
-        reason = quantized_all_gather_reason(self.parallel_dims)
-        if reason is None:
-            count = enable_quantized_all_gather(model)
-            logger.info("blockscale: FSDP2 all-gathers %d linear weights quantized", count)
-        else:
-            logger.info("blockscale: linear weights all-gathered in high precision: %s", reason)
+        gather_quantized_unless(model, quantized_all_gather_reason(self.parallel_dims), logger)
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         """Nothing: every step quantizes the weights the optimizer has just written (the

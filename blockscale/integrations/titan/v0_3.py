@@ -100,12 +100,13 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.protocols.module import Module
 
 import blockscale.nn as bsnn
-from blockscale.distributed.fsdp import ShardedWeight, enable_quantized_all_gather
+from blockscale.distributed.fsdp import ShardedWeight
 from blockscale.distributed.tp import EVERY_OPERAND, amax_reduction, largest_block
 from blockscale.integrations.titan import (
     DEFAULT_BF16_TAIL_FRACTION,
     DEFAULT_RECIPE,
     TitanPolicy,
+    gather_quantized_unless,
     titan_policy,
 )
 from blockscale.nn.convert import experts_unsupported_reason, unsupported_reason
@@ -373,15 +374,9 @@ def prepare_quantized_all_gather(model: nn.Module, parallel_dims: Any) -> int:
     quantized all-gather of its converted linears (`enable_quantized_all_gather`) unless
     `quantized_all_gather_reason` gives a reason, which the log then names. Returns the number
     of weights prepared (0 also for a model with no converted linear, which is left alone)."""
-    if not any(isinstance(m, bsnn.Linear) and m.recipe.quantized for m in model.modules()):
-        return 0
-    reason = quantized_all_gather_reason(parallel_dims)
-    if reason is not None:
-        logger.info("blockscale: linear weights all-gathered in high precision: %s", reason)
-        return 0
-    count = enable_quantized_all_gather(model)
-    model.register_state_dict_post_hook(_sharded_weights_as_their_data)
-    logger.info("blockscale: FSDP2 all-gathers %d linear weights quantized", count)
+    count = gather_quantized_unless(model, quantized_all_gather_reason(parallel_dims), logger)
+    if count:
+        model.register_state_dict_post_hook(_sharded_weights_as_their_data)
     return count
 
 
