@@ -43,8 +43,9 @@ Modes:
 
 Several runs at once (`--parallel N`): up to N runs go at a time, each in its own process; on
 CUDA each run sees one GPU (`CUDA_VISIBLE_DEVICES`), one no other run holds while it trains, so
-on a machine of N GPUs N recipes train at once (a convergence table in one call). BF16's seeds
-(`--bf16-seeds 0,1`): a BF16 run for each, the first the baseline of the ratios, so a later
+on a machine of N GPUs N recipes train at once (a convergence table in one call); with
+`--per-gpu K` (`--converge` only) K runs share each GPU, for models too small to fill one.
+BF16's seeds (`--bf16-seeds 0,1`): a BF16 run for each, the first the baseline of the ratios, so a later
 seed's loss_vs_bf16 is the seed-to-seed gap (its folder and row carry the seed).
 
 The text is tokenized as the steps run, in `--data-workers` processes of torchtitan's data
@@ -313,6 +314,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="a BF16 run for each of these seeds (0,1): the seed-to-seed gap")  # fmt: skip
     parser.add_argument("--parallel", type=int, default=1,
                         help="runs at a time; on CUDA each on a GPU of its own")  # fmt: skip
+    parser.add_argument("--per-gpu", type=int, default=1,
+                        help="with --parallel: runs that share one GPU (convergence only: "
+                             "their speeds are not a recipe's own)")  # fmt: skip
     parser.add_argument("--ac", action="store_const", const="selective", default=None,
                         help="torchtitan's selective activation checkpointing")  # fmt: skip
     parser.add_argument("--cuda-graphs", action="store_true", help="0.3: keep CUDA graphs on")
@@ -350,12 +354,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--converge needs --dump, the folder its checkpoints resume from")
     if args.parallel < 1:
         parser.error("--parallel needs 1 or more")
+    if args.per_gpu < 1:
+        parser.error("--per-gpu needs 1 or more")
+    if args.per_gpu > 1 and not args.converge:
+        parser.error("--per-gpu shares a GPU between runs, so their speeds mean nothing: "
+                     "--converge only")  # fmt: skip
     try:
         args.bf16_seeds = [int(s) for s in args.bf16_seeds.split(",")] if args.bf16_seeds else None
     except ValueError:
         parser.error(f"--bf16-seeds {args.bf16_seeds!r}: integers separated by commas")
     args.tail = min(args.tail, args.steps)
     return args
+
+
+def gpu_slots(gpus: int, per_gpu: int) -> list[int]:
+    """The GPU of each place a parallel run can take: every GPU `per_gpu` times, spread so that
+    the first runs land on different GPUs."""
+    return [gpu for _ in range(per_gpu) for gpu in range(gpus)]
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -395,7 +410,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     free: queue.Queue[int] | None = None
     if gpus and args.parallel > 1:
         free = queue.Queue()
-        for gpu in range(gpus):
+        for gpu in gpu_slots(gpus, args.per_gpu):
             free.put(gpu)
 
     def run(mode: str, recipe: str, seed: int, dump: Path) -> dict[str, Any]:

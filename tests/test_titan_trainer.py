@@ -306,6 +306,22 @@ def test_v0_3_bench_converges_bf16_seeds_in_parallel_and_reads_finished_runs(
     assert all(r["steps_done"] == 3 for r in rows)
 
 
+def test_bench_shares_gpus_between_convergence_runs_only():
+    """`--per-gpu K`: each GPU is a place for K runs, the first runs on different GPUs; a speed
+    run refuses it (runs sharing a GPU time each other)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_titan  # noqa: PLC0415
+
+    assert bench_titan.gpu_slots(2, 1) == [0, 1]
+    assert bench_titan.gpu_slots(2, 2) == [0, 1, 0, 1]
+    assert bench_titan.gpu_slots(1, 4) == [0, 0, 0, 0]
+    common = ["--model", "deepseek_v3", "--flavor", "small", "--parallel", "4", "--per-gpu", "4"]
+    with pytest.raises(SystemExit):
+        bench_titan.parse_args(common)
+    args = bench_titan.parse_args([*common, "--converge", "--dump", "runs"])
+    assert (args.parallel, args.per_gpu) == (4, 4)
+
+
 @needs_v0_3
 def test_v0_3_trainer_resumes_from_its_checkpoint(corpus, assets, tmp_path, no_datasets):
     def titan_args(steps, dump):
