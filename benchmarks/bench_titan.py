@@ -38,8 +38,9 @@ Modes:
   `--timeout`, a device call's end) loses at most the steps since its last checkpoint: the
   same command again resumes each recipe from its latest checkpoint (torchtitan loads it), the
   data loader where it stopped, and a recipe already at `--steps` is read, not rerun. Output:
-  each recipe's loss curve (every step, in the JSON), and the table's loss_end
-  (the mean of the last `--tail` steps' losses) and loss_vs_bf16.
+  each recipe's loss curve (every step, in the JSON), and the table's loss_end (the mean of
+  the last `--tail` steps' losses up to end_step, the last step every run reached, so runs cut
+  at different steps compare at the same one) and loss_vs_bf16.
 
 Several runs at once (`--parallel N`): up to N runs go at a time, each in its own process; on
 CUDA each run sees one GPU (`CUDA_VISIBLE_DEVICES`), one no other run holds while it trains, so
@@ -256,6 +257,18 @@ def summarize(metrics: dict[int, dict[str, Any]], warmup: int, tail: int) -> dic
     }
 
 
+def align_ends(rows: list[dict[str, Any]], tail: int) -> None:
+    """Each convergence row's loss_end over the same steps: the `tail` up to end_step, the last
+    step that every row with losses reached (a run cut by its timeout stops early)."""
+    curves = [r for r in rows if r.get("losses")]
+    if not curves:
+        return
+    end = min(r["losses"][-1][0] for r in curves)
+    for row in curves:
+        window = [loss for step, loss in row["losses"] if end - tail < step <= end]
+        row["end_step"], row["loss_end"] = end, statistics.fmean(window)
+
+
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         base = next((b for b in rows if b["recipe"] == "bf16" and b["mode"] == row["mode"]
@@ -271,8 +284,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 SPEED_COLUMNS = ["model", "flavor", "mode", "recipe", "tokens_per_s", "tok_vs_bf16", "peak_gib",
                  "mem_vs_bf16", "first_s", "data_pct", "loss_first", "loss_last",
                  "status"]  # fmt: skip
-CONVERGE_COLUMNS = ["model", "flavor", "mode", "recipe", "seed", "steps_done", "loss_end",
-                    "loss_vs_bf16", "tokens_per_s", "peak_gib", "status"]  # fmt: skip
+CONVERGE_COLUMNS = ["model", "flavor", "mode", "recipe", "seed", "steps_done", "end_step",
+                    "loss_end", "loss_vs_bf16", "tokens_per_s", "peak_gib", "status"]  # fmt: skip
 
 
 def run_recipe(titan: str, args: argparse.Namespace, recipe: str, mode: str,
@@ -398,6 +411,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print(f"  {args.model} {args.flavor} {row['mode']} {row['recipe']} seed {row['seed']}: "
               f"{figures} [{row['status']}]", flush=True)  # fmt: skip
         rows.sort(key=lambda r: runs.index((r["mode"], r["recipe"], r["seed"])))
+        if args.converge:
+            align_ends(rows, args.tail)
         add_ratios(rows)
         if args.out:
             harness.write_json(args.out, {

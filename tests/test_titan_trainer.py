@@ -322,6 +322,20 @@ def test_bench_shares_gpus_between_convergence_runs_only():
     assert (args.parallel, args.per_gpu) == (4, 4)
 
 
+def test_bench_compares_cut_runs_at_the_step_all_reached():
+    """A convergence run cut early (its timeout) sets end_step for all: each loss_end is the mean
+    of the same steps' losses, the last `tail` up to there."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_titan  # noqa: PLC0415
+
+    rows = [{"losses": [[s, 10.0 - s] for s in range(1, 9)]},
+            {"losses": [[s, 20.0 - s] for s in range(1, 6)]},
+            {"status": "exit 1: no losses"}]  # fmt: skip
+    bench_titan.align_ends(rows, tail=2)
+    assert [r.get("end_step") for r in rows] == [5, 5, None]
+    assert [r.get("loss_end") for r in rows] == [5.5, 15.5, None]
+
+
 @needs_v0_3
 def test_v0_3_trainer_resumes_from_its_checkpoint(corpus, assets, tmp_path, no_datasets):
     def titan_args(steps, dump):
