@@ -42,6 +42,10 @@ Modes:
   the last `--tail` steps' losses up to end_step, the last step every run reached, so runs cut
   at different steps compare at the same one) and loss_vs_bf16.
 
+`--merge A.json B.json ...` puts the convergence rows of several calls in one table (a
+model's four runs split over two device calls): it checks that they share the model and the
+run's settings and hold no run twice, then takes end_step, loss_end and the ratios over all.
+
 Several runs at once (`--parallel N`): up to N runs go at a time, each in its own process; on
 CUDA each run sees one GPU (`CUDA_VISIBLE_DEVICES`), one no other run holds while it trains, so
 on a machine of N GPUs N recipes train at once (a convergence table in one call); with
@@ -349,6 +353,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tail", type=int, default=50, help="steps averaged into loss_end")
     parser.add_argument("--dump", default=None, help="run folders (default: a temporary one; "
                         "--converge needs one to resume)")  # fmt: skip
+    parser.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                        help="the convergence rows of several calls' --out files in one table "
+                             "(nothing runs; --tail applies)")  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="CPU: the version's debug model, "
                         "batch 2, sequence 64, 3 steps, bf16 and nvfp4")  # fmt: skip
     parser.add_argument("--out", metavar="PATH", help="write the rows as JSON")
@@ -361,6 +368,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         for name, value in smoke.items():
             if getattr(args, name) == parser.get_default(name):
                 setattr(args, name, value)
+    if args.merge:
+        return args
     if not args.model or not args.flavor:
         parser.error("--model and --flavor are needed (or --smoke)")
     if args.converge and not args.dump:
@@ -386,8 +395,50 @@ def gpu_slots(gpus: int, per_gpu: int) -> list[int]:
     return [gpu for _ in range(per_gpu) for gpu in range(gpus)]
 
 
+def merge(paths: list[str], tail: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One convergence table from the JSONs of several calls (a model's runs split over calls
+    that each fit a device call): the same model, flavor and run settings in all, no run twice;
+    BF16 rows first, lowest seed first (the ratios' baseline), then the rest in file order, with
+    end_step, loss_end and loss_vs_bf16 taken again over all of them (no speed ratios: the runs
+    came from other calls, on shared GPUs)."""
+    records = [json.loads(Path(p).read_text()) for p in paths]
+    for path, record in zip(paths, records):
+        if record.get("benchmark") != "titan_converge":
+            raise SystemExit(f"{path}: not a --converge JSON")
+    keys = ("batch", "seq_len", "steps")
+    settings = {(r["rows"][0]["model"], r["rows"][0]["flavor"], *(r[k] for k in keys))
+                for r in records if r["rows"]}  # fmt: skip
+    if len(settings) > 1:
+        raise SystemExit(f"runs of different settings (model, flavor, {', '.join(keys)}): "
+                         f"{sorted(settings)}")  # fmt: skip
+    rows = [row for record in records for row in record["rows"]]
+    runs = [(r["mode"], r["recipe"], r["seed"]) for r in rows]
+    twice = sorted({run for run in runs if runs.count(run) > 1})
+    if twice:
+        raise SystemExit(f"runs in more than one file: {twice}")
+    rows.sort(key=lambda r: (r["mode"], r["recipe"] != "bf16", r["seed"] if r["recipe"] == "bf16"
+                             else 0))  # fmt: skip
+    for row in rows:
+        row.pop("loss_vs_bf16", None)
+    align_ends(rows, tail)
+    add_ratios(rows)
+    for row in rows:  # runs of other calls and shared GPUs: their speeds do not compare
+        row.pop("tok_vs_bf16", None)
+        row.pop("mem_vs_bf16", None)
+    merged = {**{k: records[0][k] for k in keys}, "benchmark": "titan_converge",
+              "merged_from": [{"path": p, "banner": r.get("banner")} for p, r in
+                              zip(paths, records)], "rows": rows}  # fmt: skip
+    return merged, rows
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
+    if args.merge:
+        merged, rows = merge(args.merge, args.tail)
+        if args.out:
+            harness.write_json(args.out, merged)
+        harness.print_table(rows, CONVERGE_COLUMNS)
+        return rows
     titan = titan_version()
     names = [r.strip() for r in args.recipes.split(",") if r.strip()]
     unknown = [r for r in names if r not in RECIPES]

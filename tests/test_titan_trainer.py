@@ -336,6 +336,41 @@ def test_bench_compares_cut_runs_at_the_step_all_reached():
     assert [r.get("loss_end") for r in rows] == [5.5, 15.5, None]
 
 
+def test_bench_merges_convergence_runs_of_several_calls(tmp_path):
+    """`--merge`: a model's runs from two calls' JSONs in one table, BF16 seed 0 the baseline
+    wherever it came from, loss_end over the steps all reached, no speed ratios; a run in two
+    files, or files of other settings, are refused."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_titan  # noqa: PLC0415
+
+    def run(recipe, seed, steps, offset):
+        return {"model": "deepseek_v3", "flavor": "small", "mode": "compile", "recipe": recipe,
+                "seed": seed, "status": "ok", "tokens_per_s": 1.0, "tok_vs_bf16": 1.0,
+                "losses": [[s, offset + 10.0 / s] for s in range(1, steps + 1)]}  # fmt: skip
+
+    def call(name, rows, steps=10):
+        path = tmp_path / name
+        path.write_text(json.dumps({"benchmark": "titan_converge", "batch": 8, "seq_len": 2048,
+                                    "steps": steps, "rows": rows}))  # fmt: skip
+        return str(path)
+
+    first = call("a.json", [run("nvfp4", 0, 10, 0.2), run("bf16", 1, 10, 0.1)])
+    second = call("b.json", [run("bf16", 0, 8, 0.0), run("mxfp8", 0, 10, 0.05)])
+    merged, rows = bench_titan.merge([first, second], tail=2)
+    assert [(r["recipe"], r["seed"]) for r in rows] == [
+        ("bf16", 0), ("bf16", 1), ("nvfp4", 0), ("mxfp8", 0)]  # fmt: skip
+    assert all(r["end_step"] == 8 for r in rows)  # BF16 seed 0 stopped at step 8
+    base, nvfp4 = ((offset + 10 / 7 + offset + 10 / 8) / 2 for offset in (0.0, 0.2))
+    assert (rows[0]["loss_end"], rows[2]["loss_end"]) == (base, nvfp4)
+    assert rows[2]["loss_vs_bf16"] == nvfp4 / base
+    assert not any("tok_vs_bf16" in r for r in rows)
+    assert [m["path"] for m in merged["merged_from"]] == [first, second]
+    with pytest.raises(SystemExit, match="more than one file"):
+        bench_titan.merge([first, first], tail=2)
+    with pytest.raises(SystemExit, match="different settings"):
+        bench_titan.merge([first, call("c.json", [run("bf16", 2, 5, 0.0)], steps=5)], tail=2)
+
+
 @needs_v0_3
 def test_v0_3_trainer_resumes_from_its_checkpoint(corpus, assets, tmp_path, no_datasets):
     def titan_args(steps, dump):
