@@ -50,8 +50,8 @@ Several runs at once (`--parallel N`): up to N runs go at a time, each in its ow
 CUDA each run sees one GPU (`CUDA_VISIBLE_DEVICES`), one no other run holds while it trains, so
 on a machine of N GPUs N recipes train at once (a convergence table in one call); with
 `--per-gpu K` (`--converge` only) K runs share each GPU, for models too small to fill one.
-BF16's seeds (`--bf16-seeds 0,1`): a BF16 run for each, the first the baseline of the ratios, so a later
-seed's loss_vs_bf16 is the seed-to-seed gap (its folder and row carry the seed).
+BF16's seeds (`--bf16-seeds 0,1`): a BF16 run for each, the first the baseline of the ratios,
+so a later seed's loss_vs_bf16 is the seed-to-seed gap (its folder and row carry the seed).
 
 The text is tokenized as the steps run, in `--data-workers` processes of torchtitan's data
 loader (2; 0: in the training process, whose step time then includes it; data_pct, torchtitan's
@@ -273,14 +273,18 @@ def align_ends(rows: list[dict[str, Any]], tail: int) -> None:
         row["end_step"], row["loss_end"] = end, statistics.fmean(window)
 
 
-def add_ratios(rows: list[dict[str, Any]]) -> None:
+RATIOS = (("tokens_per_s", "tok_vs_bf16"), ("peak_gib", "mem_vs_bf16"),
+          ("loss_end", "loss_vs_bf16"))  # fmt: skip
+
+
+def add_ratios(rows: list[dict[str, Any]], ratios=RATIOS) -> None:
+    """Each row's `ratios` (figure, its ratio's key) to the first BF16 row of its mode."""
     for row in rows:
         base = next((b for b in rows if b["recipe"] == "bf16" and b["mode"] == row["mode"]
                      and b.get("status") == "ok"), None)  # fmt: skip
         if base is None:
             continue
-        for key, ratio in (("tokens_per_s", "tok_vs_bf16"), ("peak_gib", "mem_vs_bf16"),
-                           ("loss_end", "loss_vs_bf16")):  # fmt: skip
+        for key, ratio in ratios:
             if row.get(key) and base.get(key):
                 row[ratio] = row[key] / base[key]
 
@@ -418,13 +422,11 @@ def merge(paths: list[str], tail: int) -> tuple[dict[str, Any], list[dict[str, A
         raise SystemExit(f"runs in more than one file: {twice}")
     rows.sort(key=lambda r: (r["mode"], r["recipe"] != "bf16", r["seed"] if r["recipe"] == "bf16"
                              else 0))  # fmt: skip
-    for row in rows:
-        row.pop("loss_vs_bf16", None)
+    for row in rows:  # each call's ratios were to its own BF16 row
+        for _, ratio in RATIOS:
+            row.pop(ratio, None)
     align_ends(rows, tail)
-    add_ratios(rows)
-    for row in rows:  # runs of other calls and shared GPUs: their speeds do not compare
-        row.pop("tok_vs_bf16", None)
-        row.pop("mem_vs_bf16", None)
+    add_ratios(rows, [("loss_end", "loss_vs_bf16")])  # speeds of other calls do not compare
     merged = {**{k: records[0][k] for k in keys}, "benchmark": "titan_converge",
               "merged_from": [{"path": p, "banner": r.get("banner")} for p, r in
                               zip(paths, records)], "rows": rows}  # fmt: skip
