@@ -6,12 +6,13 @@
 #   scripts/titan_install.sh 0.2.2 [TARGET]     (default TARGET: /tmp/titan-0.2.2)
 #   export PYTHONPATH=/tmp/titan-0.2.2
 #
-# optional/ (torchao) is installed where it was downloaded.
+# optional-VERSION/ (torchao, the release that version's float8 converters import) is
+# installed where it was downloaded.
 set -euo pipefail
 version=${1:?which torchtitan: 0.2.2 or 0.3.0}
 target=${2:-/tmp/titan-$version}
 wheels=(.titan-wheels/common/*.whl ".titan-wheels/$version"/*.whl)
-[ -d .titan-wheels/optional ] && wheels+=(.titan-wheels/optional/*.whl)
+[ -d ".titan-wheels/optional-$version" ] && wheels+=(".titan-wheels/optional-$version"/*.whl)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --find-links .titan-wheels/common --find-links ".titan-wheels/$version" \
   --target "$target" "${wheels[@]}"

@@ -11,8 +11,12 @@
 #   docstring_parser and typeguard (the command line), tensorboard, protobuf and absl-py
 #   (torchtitan's metrics import torch.utils.tensorboard whether it logs there or not);
 # 0.2.2/ and 0.3.0/: torchtitan itself (0.3.0 with spmd_types);
-# optional/: torchao, for torchtitan's own float8 rows of benchmarks/bench_titan.py (0.17.0, the
-#   release of torch 2.11's time; its compiled kernels are unverified against 2.11).
+# optional-0.2.2/ and optional-0.3.0/: torchao, for torchtitan's own float8 rows of
+#   benchmarks/bench_titan.py, one release per torchtitan version: 0.2.2's grouped-GEMM float8
+#   converter imports `MoETrainingConfig`, which torchao 0.17.0 renamed (a GPU run of 2026-12-06
+#   stopped on that import), so 0.2.2 takes 0.16.0, the last release that has it; 0.3.0's
+#   converter imports 0.17.0's `Float8TrainingOpConfig`. Both are of torch 2.10-2.11's time;
+#   their compiled kernels are unverified against 2.11.
 set -euo pipefail
 get() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
@@ -23,5 +27,6 @@ get common torchdata==0.11.0 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.
   tensorboard==2.21.0 protobuf==7.36.2 absl-py==2.5.1
 get 0.2.2 torchtitan==0.2.2
 get 0.3.0 torchtitan==0.3.0 spmd_types==0.2.3
-get optional torchao==0.17.0
+get optional-0.2.2 torchao==0.16.0
+get optional-0.3.0 torchao==0.17.0
 du -sh .titan-wheels/*
