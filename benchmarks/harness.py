@@ -276,17 +276,27 @@ def gemm_tflops(m: int, n: int, k: int, device: torch.device, reps: int = 20) ->
     return 2 * m * n * k / (timing.median_ms * 1e-3) / 1e12
 
 
-def fmt(value: Any) -> str:
+def fmt(value: Any, spec: str | None = None) -> str:
+    """A table cell: `spec` (a format spec such as ".4f") for a float where given, else three
+    significant digits."""
     if value is None:
         return "-"
     if isinstance(value, float):
+        if spec is not None:
+            return format(value, spec)
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
     return str(value)
 
 
-def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
-    """A fixed-width table of `columns` from `rows` (markdown-compatible)."""
-    cells = [[fmt(row.get(c)) for c in columns] for row in rows]
+def print_table(
+    rows: Sequence[dict[str, Any]],
+    columns: Sequence[str],
+    formats: dict[str, str] | None = None,
+) -> None:
+    """A fixed-width table of `columns` from `rows` (markdown-compatible); `formats`: a format
+    spec by column, for the columns whose differences hide in three significant digits."""
+    formats = formats or {}
+    cells = [[fmt(row.get(c), formats.get(c)) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     line = lambda vals: "| " + " | ".join(v.rjust(w) for v, w in zip(vals, widths)) + " |"
     print(line(list(columns)))

@@ -336,10 +336,11 @@ def test_bench_compares_cut_runs_at_the_step_all_reached():
     assert [r.get("loss_end") for r in rows] == [5.5, 15.5, None]
 
 
-def test_bench_merges_convergence_runs_of_several_calls(tmp_path):
+def test_bench_merges_convergence_runs_of_several_calls(tmp_path, capsys):
     """`--merge`: a model's runs from two calls' JSONs in one table, BF16 seed 0 the baseline
-    wherever it came from, loss_end over the steps all reached, no speed ratios; a run in two
-    files, or files of other settings, are refused."""
+    wherever it came from, loss_end over the steps all reached, no speed ratios, the loss
+    ratios printed to four decimals (three significant digits would print a 0.28% gap as 1);
+    a run in two files, or files of other settings, are refused."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_titan  # noqa: PLC0415
 
@@ -365,6 +366,11 @@ def test_bench_merges_convergence_runs_of_several_calls(tmp_path):
     assert rows[2]["loss_vs_bf16"] == nvfp4 / base
     assert not any("tok_vs_bf16" in r for r in rows)
     assert [m["path"] for m in merged["merged_from"]] == [first, second]
+    bench_titan.harness.print_table(
+        rows, bench_titan.CONVERGE_COLUMNS, bench_titan.CONVERGE_FORMATS
+    )
+    table = capsys.readouterr().out
+    assert f" {nvfp4 / base:.4f} |" in table and f" {nvfp4:.4f} |" in table
     with pytest.raises(SystemExit, match="more than one file"):
         bench_titan.merge([first, first], tail=2)
     with pytest.raises(SystemExit, match="different settings"):
