@@ -44,7 +44,9 @@ Modes:
 
 `--merge A.json B.json ...` puts the convergence rows of several calls in one table (a
 model's four runs split over two device calls): it checks that they share the model and the
-run's settings and hold no run twice, then takes end_step, loss_end and the ratios over all.
+run's settings, keeps the complete copy of a run that a call cut short and another completed
+(dropping the cut one, said in the output), then takes end_step, loss_end and the ratios over
+all.
 
 Several runs at once (`--parallel N`): up to N runs go at a time, each in its own process; on
 CUDA each run sees one GPU (`CUDA_VISIBLE_DEVICES`), one no other run holds while it trains, so
@@ -404,10 +406,15 @@ def gpu_slots(gpus: int, per_gpu: int) -> list[int]:
 
 def merge(paths: list[str], tail: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One convergence table from the JSONs of several calls (a model's runs split over calls
-    that each fit a device call): the same model, flavor and run settings in all, no run twice;
-    BF16 rows first, lowest seed first (the ratios' baseline), then the rest in file order, with
+    that each fit a device call): the same model, flavor and run settings in all; BF16 rows
+    first, lowest seed first (the ratios' baseline), then the rest in file order, with
     end_step, loss_end and loss_vs_bf16 taken again over all of them (no speed ratios: the runs
-    came from other calls, on shared GPUs)."""
+    came from other calls, on shared GPUs).
+
+    A run (mode, recipe, seed) in several files: the one that reached `steps` is kept and the
+    others, cut short by their call, are dropped (listed under "dropped" in the JSON, and
+    printed), since a cut run would pull end_step back for every row; two complete runs, or
+    none, are refused."""
     records = [json.loads(Path(p).read_text()) for p in paths]
     for path, record in zip(paths, records):
         if record.get("benchmark") != "titan_converge":
@@ -418,11 +425,24 @@ def merge(paths: list[str], tail: int) -> tuple[dict[str, Any], list[dict[str, A
     if len(settings) > 1:
         raise SystemExit(f"runs of different settings (model, flavor, {', '.join(keys)}): "
                          f"{sorted(settings)}")  # fmt: skip
-    rows = [row for record in records for row in record["rows"]]
-    runs = [(r["mode"], r["recipe"], r["seed"]) for r in rows]
-    twice = sorted({run for run in runs if runs.count(run) > 1})
-    if twice:
-        raise SystemExit(f"runs in more than one file: {twice}")
+    steps = records[0]["steps"]
+    found: dict[tuple, list[tuple[str, dict[str, Any]]]] = {}
+    for path, record in zip(paths, records):
+        for row in record["rows"]:
+            found.setdefault((row["mode"], row["recipe"], row["seed"]), []).append((path, row))
+    rows, dropped = [], []
+    for run, copies in found.items():
+        whole = [(path, row) for path, row in copies if row.get("steps_done") == steps]
+        if len(copies) > 1 and len(whole) != 1:
+            raise SystemExit(f"run {run} in more than one file, {len(whole)} of them complete "
+                             f"({steps} steps): {[path for path, _ in copies]}")  # fmt: skip
+        rows.append(whole[0][1] if len(copies) > 1 else copies[0][1])
+        for path, row in copies:
+            if len(copies) > 1 and row is not rows[-1]:
+                dropped.append({"path": path, "mode": run[0], "recipe": run[1], "seed": run[2],
+                                "steps_done": row.get("steps_done")})  # fmt: skip
+                print(f"dropped {run[1]} seed {run[2]} of {path} ({row.get('steps_done')} of "
+                      f"{steps} steps): a complete run of it is in another file")  # fmt: skip
     rows.sort(key=lambda r: (r["mode"], r["recipe"] != "bf16", r["seed"] if r["recipe"] == "bf16"
                              else 0))  # fmt: skip
     for row in rows:  # each call's ratios were to its own BF16 row
@@ -432,7 +452,7 @@ def merge(paths: list[str], tail: int) -> tuple[dict[str, Any], list[dict[str, A
     add_ratios(rows, [("loss_end", "loss_vs_bf16")])  # speeds of other calls do not compare
     merged = {**{k: records[0][k] for k in keys}, "benchmark": "titan_converge",
               "merged_from": [{"path": p, "banner": r.get("banner")} for p, r in
-                              zip(paths, records)], "rows": rows}  # fmt: skip
+                              zip(paths, records)], "dropped": dropped, "rows": rows}  # fmt: skip
     return merged, rows
 
 

@@ -347,6 +347,7 @@ def test_bench_merges_convergence_runs_of_several_calls(tmp_path, capsys):
     def run(recipe, seed, steps, offset):
         return {"model": "deepseek_v3", "flavor": "small", "mode": "compile", "recipe": recipe,
                 "seed": seed, "status": "ok", "tokens_per_s": 1.0, "tok_vs_bf16": 1.0,
+                "steps_done": steps,
                 "losses": [[s, offset + 10.0 / s] for s in range(1, steps + 1)]}  # fmt: skip
 
     def call(name, rows, steps=10):
@@ -371,8 +372,19 @@ def test_bench_merges_convergence_runs_of_several_calls(tmp_path, capsys):
     )
     table = capsys.readouterr().out
     assert f" {nvfp4 / base:.4f} |" in table and f" {nvfp4:.4f} |" in table
-    with pytest.raises(SystemExit, match="more than one file"):
+    with pytest.raises(SystemExit, match="more than one file, 2 of them complete"):
         bench_titan.merge([first, first], tail=2)
+    # a run cut by its call (nvfp4 seed 0, 6 steps) and the same run complete in a later call:
+    # the complete one is kept, the cut one dropped and listed
+    cut = call("cut.json", [run("bf16", 0, 10, 0.0), run("nvfp4", 0, 6, 0.3)])
+    merged, rows = bench_titan.merge([cut, first], tail=2)
+    assert [(r["recipe"], r["seed"], r["steps_done"]) for r in rows] == [
+        ("bf16", 0, 10), ("bf16", 1, 10), ("nvfp4", 0, 10)]  # fmt: skip
+    assert all(r["end_step"] == 10 for r in rows)
+    assert merged["dropped"] == [
+        {"path": cut, "mode": "compile", "recipe": "nvfp4", "seed": 0, "steps_done": 6}]  # fmt: skip
+    with pytest.raises(SystemExit, match="0 of them complete"):
+        bench_titan.merge([cut, call("cut2.json", [run("nvfp4", 0, 7, 0.3)])], tail=2)
     with pytest.raises(SystemExit, match="different settings"):
         bench_titan.merge([first, call("c.json", [run("bf16", 2, 5, 0.0)], steps=5)], tail=2)
 
