@@ -325,6 +325,31 @@ def test_v0_3_compiled_block_equals_eager():
         assert (got is None and expected is None) or torch.equal(got, expected)
 
 
+@needs_v0_3
+def test_v0_3_per_block_compile_compiles_each_kind_of_block_once():
+    """torchtitan compiles block by block: converted blocks of one kind share one compiled
+    graph, so a model of many blocks compiles no more than its kinds of block (the DeepSeek-V3
+    debug model: a dense block, quantized MoE blocks, the BF16 tail's MoE block). A guard bound
+    to each block (a recompile per block) would compile one graph per block and, past torch's
+    recompile limit of 8, leave the rest of a deep model eager."""
+    from torch._dynamo.utils import counters
+
+    from blockscale.integrations.titan.v0_3 import BlockscaleConverter
+
+    model = build_v0_3("deepseek_v3", "debugmodel", BlockscaleConverter.Config(recipe="mxfp8"))
+    kinds = {
+        tuple(type(m).__name__ for m in block.modules()) for block in model.layers.values()
+    }
+    assert len(model.layers) == 6 and len(kinds) == 3, kinds
+    torch._dynamo.reset()
+    counters.clear()
+    for block in model.layers.values():
+        block.compile(fullgraph=True, backend="aot_eager")
+    tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
+    model(tokens).float().square().mean().backward()
+    assert counters["stats"]["unique_graphs"] == len(kinds)
+
+
 # torchtitan 0.2.2: the registered ModelConverter on the built (meta) model.
 
 MODELS_V0_2 = ["llama4", "deepseek_v3"]
