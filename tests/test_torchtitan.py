@@ -337,9 +337,7 @@ def test_v0_3_per_block_compile_compiles_each_kind_of_block_once():
     from blockscale.integrations.titan.v0_3 import BlockscaleConverter
 
     model = build_v0_3("deepseek_v3", "debugmodel", BlockscaleConverter.Config(recipe="mxfp8"))
-    kinds = {
-        tuple(type(m).__name__ for m in block.modules()) for block in model.layers.values()
-    }
+    kinds = {tuple(type(m).__name__ for m in block.modules()) for block in model.layers.values()}
     assert len(model.layers) == 6 and len(kinds) == 3, kinds
     torch._dynamo.reset()
     counters.clear()
