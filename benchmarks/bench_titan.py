@@ -85,6 +85,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -279,7 +280,7 @@ RATIOS = (("tokens_per_s", "tok_vs_bf16"), ("peak_gib", "mem_vs_bf16"),
           ("loss_end", "loss_vs_bf16"))  # fmt: skip
 
 
-def add_ratios(rows: list[dict[str, Any]], ratios=RATIOS) -> None:
+def add_ratios(rows: list[dict[str, Any]], ratios: Sequence[tuple[str, str]] = RATIOS) -> None:
     """Each row's `ratios` (figure, its ratio's key) to the first BF16 row of its mode."""
     for row in rows:
         base = next((b for b in rows if b["recipe"] == "bf16" and b["mode"] == row["mode"]
@@ -297,8 +298,8 @@ SPEED_COLUMNS = ["model", "flavor", "mode", "recipe", "tokens_per_s", "tok_vs_bf
 CONVERGE_COLUMNS = ["model", "flavor", "mode", "recipe", "seed", "steps_done", "end_step",
                     "loss_end", "loss_vs_bf16", "tokens_per_s", "peak_gib", "status"]  # fmt: skip
 # the gaps a convergence table is for are tenths of a percent: 3.658 against 3.668 is 1.0028,
-# which three significant digits print as 3.66, 3.67 and 1
-CONVERGE_FORMATS = {"loss_end": ".4f", "loss_vs_bf16": ".4f"}
+# which three significant digits print as 3.66, 3.67 and 1 (columns of CONVERGE_COLUMNS only)
+FORMATS = {"loss_end": ".4f", "loss_vs_bf16": ".4f"}
 
 
 def run_recipe(titan: str, args: argparse.Namespace, recipe: str, mode: str,
@@ -436,9 +437,10 @@ def merge(paths: list[str], tail: int) -> tuple[dict[str, Any], list[dict[str, A
         if len(copies) > 1 and len(whole) != 1:
             raise SystemExit(f"run {run} in more than one file, {len(whole)} of them complete "
                              f"({steps} steps): {[path for path, _ in copies]}")  # fmt: skip
-        rows.append(whole[0][1] if len(copies) > 1 else copies[0][1])
+        kept = copies[0][1] if len(copies) == 1 else whole[0][1]
+        rows.append(kept)
         for path, row in copies:
-            if len(copies) > 1 and row is not rows[-1]:
+            if row is not kept:
                 dropped.append({"path": path, "mode": run[0], "recipe": run[1], "seed": run[2],
                                 "steps_done": row.get("steps_done")})  # fmt: skip
                 print(f"dropped {run[1]} seed {run[2]} of {path} ({row.get('steps_done')} of "
@@ -462,7 +464,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         merged, rows = merge(args.merge, args.tail)
         if args.out:
             harness.write_json(args.out, merged)
-        harness.print_table(rows, CONVERGE_COLUMNS, CONVERGE_FORMATS)
+        harness.print_table(rows, CONVERGE_COLUMNS, FORMATS)
         return rows
     titan = titan_version()
     names = [r.strip() for r in args.recipes.split(",") if r.strip()]
@@ -530,10 +532,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     record(job.result())
     print(f"\ntorchtitan {titan}, B={args.batch} T={args.seq_len}, {args.steps} steps; "
           "each recipe in its own process; ratios to BF16 of the same mode")  # fmt: skip
-    if args.converge:
-        harness.print_table(rows, CONVERGE_COLUMNS, CONVERGE_FORMATS)
-    else:
-        harness.print_table(rows, SPEED_COLUMNS)
+    harness.print_table(rows, CONVERGE_COLUMNS if args.converge else SPEED_COLUMNS, FORMATS)
     return rows
 
 

@@ -367,9 +367,7 @@ def test_bench_merges_convergence_runs_of_several_calls(tmp_path, capsys):
     assert rows[2]["loss_vs_bf16"] == nvfp4 / base
     assert not any("tok_vs_bf16" in r for r in rows)
     assert [m["path"] for m in merged["merged_from"]] == [first, second]
-    bench_titan.harness.print_table(
-        rows, bench_titan.CONVERGE_COLUMNS, bench_titan.CONVERGE_FORMATS
-    )
+    bench_titan.harness.print_table(rows, bench_titan.CONVERGE_COLUMNS, bench_titan.FORMATS)
     table = capsys.readouterr().out
     assert f" {nvfp4 / base:.4f} |" in table and f" {nvfp4:.4f} |" in table
     with pytest.raises(SystemExit, match="more than one file, 2 of them complete"):
