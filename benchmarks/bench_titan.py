@@ -37,7 +37,9 @@ Modes:
   AdamW's state) in `--dump/<model>-<flavor>-<mode>-<recipe>`. A run that is stopped (a
   `--timeout`, a device call's end) loses at most the steps since its last checkpoint: the
   same command again resumes each recipe from its latest checkpoint (torchtitan loads it), the
-  data loader where it stopped, and a recipe already at `--steps` is read, not rerun. Output:
+  data loader where it stopped, and a recipe already at `--steps` is read, not rerun. The
+  checkpoints must outlive the call: where each call brings a fresh copy of the repository,
+  put `--dump` outside it (`/tmp`). Output:
   each recipe's loss curve (every step, in the JSON), and the table's loss_end (the mean of
   the last `--tail` steps' losses up to end_step, the last step every run reached, so runs cut
   at different steps compare at the same one) and loss_vs_bf16.
@@ -281,14 +283,15 @@ RATIOS = (("tokens_per_s", "tok_vs_bf16"), ("peak_gib", "mem_vs_bf16"),
 
 
 def add_ratios(rows: list[dict[str, Any]], ratios: Sequence[tuple[str, str]] = RATIOS) -> None:
-    """Each row's `ratios` (figure, its ratio's key) to the first BF16 row of its mode."""
+    """Each row's `ratios` (figure, its ratio's key) to the first BF16 row of its mode that
+    finished; for a convergence table's loss_end, to its first BF16 row however far it got,
+    since `align_ends` took every row's loss_end at the step all of them reached."""
     for row in rows:
-        base = next((b for b in rows if b["recipe"] == "bf16" and b["mode"] == row["mode"]
-                     and b.get("status") == "ok"), None)  # fmt: skip
-        if base is None:
-            continue
+        bf16 = [b for b in rows if b["recipe"] == "bf16" and b["mode"] == row["mode"]]
         for key, ratio in ratios:
-            if row.get(key) and base.get(key):
+            aligned = key == "loss_end" and "end_step" in row
+            base = next((b for b in bf16 if aligned or b.get("status") == "ok"), None)
+            if base is not None and row.get(key) and base.get(key):
                 row[ratio] = row[key] / base[key]
 
 
@@ -412,10 +415,12 @@ def merge(paths: list[str], tail: int) -> tuple[dict[str, Any], list[dict[str, A
     end_step, loss_end and loss_vs_bf16 taken again over all of them (no speed ratios: the runs
     came from other calls, on shared GPUs).
 
-    A run (mode, recipe, seed) in several files: the one that reached `steps` is kept and the
-    others, cut short by their call, are dropped (listed under "dropped" in the JSON, and
-    printed), since a cut run would pull end_step back for every row; two complete runs, or
-    none, are refused."""
+    A run (mode, recipe, seed) in several files: the copy that reached the most steps (the
+    first of them on a tie; a complete one where there is one) is kept and the others, cut
+    shorter by their call, are dropped (listed under "dropped" in the JSON, and printed), since
+    a cut run would pull end_step back for every row; two complete copies are refused. Copies
+    of one run from separate calls are separate runs of the same settings (each started at
+    step 1 where its call could not resume the other), not parts of one."""
     records = [json.loads(Path(p).read_text()) for p in paths]
     for path, record in zip(paths, records):
         if record.get("benchmark") != "titan_converge":
@@ -433,18 +438,19 @@ def merge(paths: list[str], tail: int) -> tuple[dict[str, Any], list[dict[str, A
             found.setdefault((row["mode"], row["recipe"], row["seed"]), []).append((path, row))
     rows, dropped = [], []
     for run, copies in found.items():
-        whole = [(path, row) for path, row in copies if row.get("steps_done") == steps]
-        if len(copies) > 1 and len(whole) != 1:
-            raise SystemExit(f"run {run} in more than one file, {len(whole)} of them complete "
-                             f"({steps} steps): {[path for path, _ in copies]}")  # fmt: skip
-        kept = copies[0][1] if len(copies) == 1 else whole[0][1]
+        whole = [path for path, row in copies if row.get("steps_done") == steps]
+        if len(whole) > 1:
+            raise SystemExit(f"run {run} complete ({steps} steps) in more than one file: "
+                             f"{whole}")  # fmt: skip
+        kept_path, kept = max(copies, key=lambda copy: copy[1].get("steps_done") or 0)
         rows.append(kept)
         for path, row in copies:
             if row is not kept:
                 dropped.append({"path": path, "mode": run[0], "recipe": run[1], "seed": run[2],
                                 "steps_done": row.get("steps_done")})  # fmt: skip
                 print(f"dropped {run[1]} seed {run[2]} of {path} ({row.get('steps_done')} of "
-                      f"{steps} steps): a complete run of it is in another file")  # fmt: skip
+                      f"{steps} steps): {kept_path} has it to step "
+                      f"{kept.get('steps_done')}")  # fmt: skip
     rows.sort(key=lambda r: (r["mode"], r["recipe"] != "bf16", r["seed"] if r["recipe"] == "bf16"
                              else 0))  # fmt: skip
     for row in rows:  # each call's ratios were to its own BF16 row

@@ -338,15 +338,16 @@ def test_bench_compares_cut_runs_at_the_step_all_reached():
 
 def test_bench_merges_convergence_runs_of_several_calls(tmp_path, capsys):
     """`--merge`: a model's runs from two calls' JSONs in one table, BF16 seed 0 the baseline
-    wherever it came from, loss_end over the steps all reached, no speed ratios, the loss
+    wherever it came from and however far it got, loss_end over the steps all reached, no speed ratios, the loss
     ratios printed to four decimals (three significant digits would print a 0.28% gap as 1);
-    a run in two files, or files of other settings, are refused."""
+    a run in two files is taken from the one that reached the most steps; a run complete in
+    two files, or files of other settings, are refused."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_titan  # noqa: PLC0415
 
-    def run(recipe, seed, steps, offset):
+    def run(recipe, seed, steps, offset, status="ok"):
         return {"model": "deepseek_v3", "flavor": "small", "mode": "compile", "recipe": recipe,
-                "seed": seed, "status": "ok", "tokens_per_s": 1.0, "tok_vs_bf16": 1.0,
+                "seed": seed, "status": status, "tokens_per_s": 1.0, "tok_vs_bf16": 1.0,
                 "steps_done": steps,
                 "losses": [[s, offset + 10.0 / s] for s in range(1, steps + 1)]}  # fmt: skip
 
@@ -357,7 +358,9 @@ def test_bench_merges_convergence_runs_of_several_calls(tmp_path, capsys):
         return str(path)
 
     first = call("a.json", [run("nvfp4", 0, 10, 0.2), run("bf16", 1, 10, 0.1)])
-    second = call("b.json", [run("bf16", 0, 8, 0.0), run("mxfp8", 0, 10, 0.05)])
+    # BF16 seed 0 cut by its call at step 8: still the baseline of the loss ratios
+    second = call("b.json", [run("bf16", 0, 8, 0.0, "timeout after 519 s"),
+                             run("mxfp8", 0, 10, 0.05)])  # fmt: skip
     merged, rows = bench_titan.merge([first, second], tail=2)
     assert [(r["recipe"], r["seed"]) for r in rows] == [
         ("bf16", 0), ("bf16", 1), ("nvfp4", 0), ("mxfp8", 0)]  # fmt: skip
@@ -370,7 +373,7 @@ def test_bench_merges_convergence_runs_of_several_calls(tmp_path, capsys):
     bench_titan.harness.print_table(rows, bench_titan.CONVERGE_COLUMNS, bench_titan.FORMATS)
     table = capsys.readouterr().out
     assert f" {nvfp4 / base:.4f} |" in table and f" {nvfp4:.4f} |" in table
-    with pytest.raises(SystemExit, match="more than one file, 2 of them complete"):
+    with pytest.raises(SystemExit, match="complete .10 steps. in more than one file"):
         bench_titan.merge([first, first], tail=2)
     # a run cut by its call (nvfp4 seed 0, 6 steps) and the same run complete in a later call:
     # the complete one is kept, the cut one dropped and listed
@@ -381,8 +384,17 @@ def test_bench_merges_convergence_runs_of_several_calls(tmp_path, capsys):
     assert all(r["end_step"] == 10 for r in rows)
     assert merged["dropped"] == [
         {"path": cut, "mode": "compile", "recipe": "nvfp4", "seed": 0, "steps_done": 6}]  # fmt: skip
-    with pytest.raises(SystemExit, match="0 of them complete"):
-        bench_titan.merge([cut, call("cut2.json", [run("nvfp4", 0, 7, 0.3)])], tail=2)
+    # the same run cut in two calls (neither could resume the other): the longer copy is kept,
+    # whichever file comes first
+    cut2 = call("cut2.json", [run("nvfp4", 0, 7, 0.4)])
+    for files in ([cut, cut2], [cut2, cut]):
+        merged, rows = bench_titan.merge(files, tail=2)
+        assert [(r["recipe"], r["seed"], r["steps_done"]) for r in rows] == [
+            ("bf16", 0, 10), ("nvfp4", 0, 7)]  # fmt: skip
+        assert rows[1]["losses"][-1] == [7, 0.4 + 10 / 7]
+        assert all(r["end_step"] == 7 for r in rows)
+        assert merged["dropped"] == [
+            {"path": cut, "mode": "compile", "recipe": "nvfp4", "seed": 0, "steps_done": 6}]  # fmt: skip
     with pytest.raises(SystemExit, match="different settings"):
         bench_titan.merge([first, call("c.json", [run("bf16", 2, 5, 0.0)], steps=5)], tail=2)
 
