@@ -24,11 +24,11 @@ mkdir -p "$out"
 bash scripts/titan_install.sh 0.2.2 /tmp/titan-0.2.2 > "$out/install_$model.log"
 recipes=${RECIPES:-bf16,nvfp4,mxfp8}
 seeds=${SEEDS:-0,1}
-runs=$(( $(tr , '\n' <<< "$recipes" | grep -vc '^bf16$') + $(tr , '\n' <<< "$seeds" | wc -l) ))
-PYTHONPATH=/tmp/titan-0.2.2:$PWD PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
+# --parallel / --per-gpu: every run at once (up to 8), on one GPU or spread over several
+PYTHONPATH=/tmp/titan-0.2.2 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
   OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} "${PYTHON:-python3}" benchmarks/bench_titan.py --converge \
   --model "$model" --flavor small --modes compile --recipes "$recipes" --bf16-seeds "$seeds" \
-  --parallel "$runs" --per-gpu "$runs" --batch 8 --seq-len 2048 --steps 3052 --warmup 20 \
+  --parallel 8 --per-gpu 8 --batch 8 --seq-len 2048 --steps 3052 --warmup 20 \
   --checkpoint-interval 150 --assets .titan-assets/bpe-32k --timeout "$seconds" \
   --dump "${DUMP:-/tmp/titan-converge}/$model" --out "$out/conv_$model.json" \
   "${@:4}" 2>&1 | tee "$out/conv_$model.log"

@@ -338,8 +338,9 @@ def test_bench_compares_cut_runs_at_the_step_all_reached():
 
 def test_bench_merges_convergence_runs_of_several_calls(tmp_path, capsys):
     """`--merge`: a model's runs from two calls' JSONs in one table, BF16 seed 0 the baseline
-    wherever it came from and however far it got, loss_end over the steps all reached, no speed ratios, the loss
-    ratios printed to four decimals (three significant digits would print a 0.28% gap as 1);
+    wherever it came from and however far it got, loss_end over the steps all reached, no
+    speed ratios, the loss ratios printed to four decimals (three significant digits would
+    print a 0.28% gap as 1);
     a run in two files is taken from the one that reached the most steps; a run complete in
     two files, or files of other settings, are refused."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
