@@ -48,7 +48,9 @@ Modes:
 model's four runs split over two device calls): it checks that they share the model and the
 run's settings, keeps the complete copy of a run that a call cut short and another completed
 (dropping the cut one, said in the output), then takes end_step, loss_end and the ratios over
-all.
+all. `--plot gaps.png` (with `--converge` or `--merge`) draws each run's loss, as the mean of
+its last `--tail` steps at every step, and its gap in % to BF16's first seed, against tokens
+seen: where a gap stands against the seed-to-seed one all along, not only at the end.
 
 Several runs at once (`--parallel N`): up to N runs go at a time, each in its own process; on
 CUDA each run sees one GPU (`CUDA_VISIBLE_DEVICES`), one no other run holds while it trains, so
@@ -369,6 +371,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                         help="the convergence rows of several calls' --out files in one table "
                              "(nothing runs; --tail applies)")  # fmt: skip
+    parser.add_argument("--plot", metavar="PNG", default=None,
+                        help="with --converge or --merge: each run's loss and its gap to BF16 "
+                             "against tokens seen, as a PNG (matplotlib)")  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="CPU: the version's debug model, "
                         "batch 2, sequence 64, 3 steps, bf16 and nvfp4")  # fmt: skip
     parser.add_argument("--out", metavar="PATH", help="write the rows as JSON")
@@ -381,6 +386,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         for name, value in smoke.items():
             if getattr(args, name) == parser.get_default(name):
                 setattr(args, name, value)
+    if args.plot and not (args.converge or args.merge):
+        parser.error("--plot draws loss curves: --converge or --merge")
     if args.merge:
         return args
     if not args.model or not args.flavor:
@@ -464,6 +471,62 @@ def merge(paths: list[str], tail: int) -> tuple[dict[str, Any], list[dict[str, A
     return merged, rows
 
 
+def trailing_means(losses: list[list[float]], tail: int) -> list[tuple[int, float]]:
+    """(step, mean of the losses of the `tail` steps up to it) for each step from the first
+    step with a whole window (the loss_end of a run stopped there)."""
+    out, total, start = [], 0.0, 0
+    for i, (step, loss) in enumerate(losses):
+        total += loss
+        while losses[start][0] <= step - tail:
+            total -= losses[start][1]
+            start += 1
+        if step - losses[0][0] + 1 >= tail:
+            out.append((int(step), total / (i - start + 1)))
+    return out
+
+
+def plot_gaps(rows: list[dict[str, Any]], tail: int, tokens_per_step: int,
+              path: str) -> dict[tuple, list[tuple[float, float]]]:  # fmt: skip
+    """`--plot`: each run's trailing `tail`-step mean loss (left) and its gap in % to the first
+    BF16 row of its mode at the same step (right), against millions of tokens seen; BF16 rows
+    of other seeds dashed (the seed-to-seed gap to read the others against). Returns the right
+    panel's points by (mode, recipe, seed)."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    curves = {(r["mode"], r["recipe"], r["seed"]): dict(trailing_means(r["losses"], tail))
+              for r in rows if r.get("losses")}  # fmt: skip
+    gaps: dict[tuple, list[tuple[float, float]]] = {}
+    fig, (ax_loss, ax_gap) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for n, ((mode, recipe, seed), curve) in enumerate(curves.items()):
+        label = f"{recipe} seed {seed}" + (f" ({mode})" if len({k[0] for k in curves}) > 1 else "")
+        style = {"color": colors[n % len(colors)], "linestyle": "--" if recipe == "bf16" else "-"}
+        tokens = [step * tokens_per_step / 1e6 for step in curve]
+        ax_loss.plot(tokens, list(curve.values()), label=label, linewidth=1.0, **style)
+        base = next((c for k, c in curves.items() if k[0] == mode and k[1] == "bf16"), None)
+        if base is None or base is curve:
+            continue
+        points = [(step * tokens_per_step / 1e6, 100 * (loss / base[step] - 1))
+                  for step, loss in curve.items() if step in base]  # fmt: skip
+        gaps[(mode, recipe, seed)] = points
+        ax_gap.plot([t for t, _ in points], [g for _, g in points], label=label, linewidth=1.0,
+                    **style)  # fmt: skip
+    ax_loss.set(title=f"training loss, mean of {tail} steps", xlabel="tokens (M)", ylabel="loss")
+    ax_loss.set_ylim(top=min(max(c.values()) for c in curves.values()))
+    ax_gap.axhline(0.0, color="black", linewidth=0.8)
+    ax_gap.set(title="gap to BF16 (first seed)", xlabel="tokens (M)", ylabel="%")
+    for ax in (ax_loss, ax_gap):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return gaps
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     if args.merge:
@@ -471,6 +534,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if args.out:
             harness.write_json(args.out, merged)
         harness.print_table(rows, CONVERGE_COLUMNS, FORMATS)
+        if args.plot:
+            plot_gaps(rows, args.tail, merged["batch"] * merged["seq_len"], args.plot)
         return rows
     titan = titan_version()
     names = [r.strip() for r in args.recipes.split(",") if r.strip()]
@@ -539,6 +604,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(f"\ntorchtitan {titan}, B={args.batch} T={args.seq_len}, {args.steps} steps; "
           "each recipe in its own process; ratios to BF16 of the same mode")  # fmt: skip
     harness.print_table(rows, CONVERGE_COLUMNS if args.converge else SPEED_COLUMNS, FORMATS)
+    if args.plot:
+        plot_gaps(rows, args.tail, args.batch * args.seq_len, args.plot)
     return rows
 
 

@@ -400,6 +400,37 @@ def test_bench_merges_convergence_runs_of_several_calls(tmp_path, capsys):
         bench_titan.merge([first, call("c.json", [run("bf16", 2, 5, 0.0)], steps=5)], tail=2)
 
 
+def test_bench_plots_each_runs_gap_to_bf16_over_tokens(tmp_path):
+    """`--plot`: the trailing means are each loss_end a run stopped at that step would have
+    (the first whole window on), and the gap curve of a run is its trailing mean over BF16 seed
+    0's at the same steps, in %, against millions of tokens; BF16 seed 0 has no gap curve."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_titan  # noqa: PLC0415
+
+    losses = [[s, 10.0 / s] for s in range(1, 11)]
+    means = bench_titan.trailing_means(losses, tail=3)
+    assert [s for s, _ in means] == list(range(3, 11))
+    for step, mean in means:
+        rows = [{"losses": [x for x in losses if x[0] <= step]}]
+        bench_titan.align_ends(rows, tail=3)
+        assert mean == pytest.approx(rows[0]["loss_end"], rel=1e-12)
+
+    def run(recipe, seed, scale):
+        return {"mode": "compile", "recipe": recipe, "seed": seed,
+                "losses": [[s, scale * 10.0 / s] for s in range(1, 11)]}  # fmt: skip
+
+    png = tmp_path / "gaps.png"
+    rows = [run("bf16", 0, 1.0), run("bf16", 1, 1.01), run("nvfp4", 0, 1.02), {"status": "x"}]
+    gaps = bench_titan.plot_gaps(rows, tail=3, tokens_per_step=500_000, path=str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(gaps) == {("compile", "bf16", 1), ("compile", "nvfp4", 0)}
+    assert [t for t, _ in gaps[("compile", "nvfp4", 0)]] == [s * 0.5 for s in range(3, 11)]
+    assert all(g == pytest.approx(2.0) for _, g in gaps[("compile", "nvfp4", 0)])
+    assert all(g == pytest.approx(1.0) for _, g in gaps[("compile", "bf16", 1)])
+    with pytest.raises(SystemExit):  # a speed run has no curves to draw
+        bench_titan.parse_args(["--model", "llama4", "--flavor", "small", "--plot", "x.png"])
+
+
 @needs_v0_3
 def test_v0_3_trainer_resumes_from_its_checkpoint(corpus, assets, tmp_path, no_datasets):
     def titan_args(steps, dump):
