@@ -498,6 +498,7 @@ def plot_gaps(rows: list[dict[str, Any]], tail: int, tokens_per_step: int,
 
     curves = {(r["mode"], r["recipe"], r["seed"]): dict(trailing_means(r["losses"], tail))
               for r in rows if r.get("losses")}  # fmt: skip
+    curves = {run: curve for run, curve in curves.items() if curve}  # shorter than `tail`: none
     gaps: dict[tuple, list[tuple[float, float]]] = {}
     fig, (ax_loss, ax_gap) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
