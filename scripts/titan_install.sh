@@ -13,10 +13,11 @@ version=${1:?which torchtitan: 0.2.2 or 0.3.0}
 target=${2:-/tmp/titan-$version}
 wheels=(.titan-wheels/common/*.whl ".titan-wheels/$version"/*.whl)
 [ -d ".titan-wheels/optional-$version" ] && wheels+=(".titan-wheels/optional-$version"/*.whl)
-# the wheels installed last time are recorded; the same set again is not reinstalled, so two
-# scripts that run at once on one machine do not replace each other's imports under them
+# the wheels installed last time are recorded by their contents' hashes; the same wheels again
+# are not reinstalled, so two scripts that run at once on one machine do not replace each
+# other's imports under them (any other wheel, even under the same name, is installed)
 stamp="$target/.blockscale-wheels"
-listed=$(for w in "${wheels[@]}"; do basename "$w"; done | sort)
+listed=$(for w in "${wheels[@]}"; do sha256sum "$w" | cut -d' ' -f1; done | sort)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$listed" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --find-links .titan-wheels/common --find-links ".titan-wheels/$version" \
